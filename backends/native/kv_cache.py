@@ -1,0 +1,140 @@
+"""Block manager for the paged KV cache, with automatic prefix caching. Never touches tensors.
+
+Blocks are reference counted. A block whose count drops to zero goes to the back of an LRU free
+queue but keeps its contents and hash, so a later request with the same prefix can take it back;
+it is only forgotten when the queue hands it out again (lazy eviction, as vLLM and nano-vllm do).
+Only full blocks are hashed, each hash chained to its parent's so a hit means "this whole prefix".
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from backends.native.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # chained hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    # ------------------------------------------------------------------------------------ figures
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --------------------------------------------------------------------------------- allocation
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks equal to the sequence's leading full blocks, never covering its last token.
+
+        Pure look-up: pass the result to ``allocate``. Only meaningful for a sequence holding no blocks.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        tokens = seq.token_ids
+        hits, parent = [], None
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, chunk))
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # guards against collisions
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones and ``prefix_hits``.
+
+        All or nothing: returns False, changing nothing, when the free blocks do not suffice. On success
+        the hit blocks are shared and ``seq.num_computed`` moves past them.
+        """
+        hit_tokens = len(prefix_hits) * self.block_size
+        total = seq.num_computed + hit_tokens + num_new_tokens
+        needed = self.blocks_needed(total) - len(seq.block_table) - len(prefix_hits)
+        revived = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)  # leave the free queue too
+        if needed + revived > len(self._free):
+            return False
+        if not seq.block_table and self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += hit_tokens
+        seq.block_table.extend(self._take_hit(b) for b in prefix_hits)
+        seq.num_computed += hit_tokens
+        seq.num_hashed_blocks += len(prefix_hits)
+        for _ in range(max(needed, 0)):
+            seq.block_table.append(self._take_new())
+        return True
+
+    def _take_hit(self, block_id: int) -> int:
+        """Share a cached block, taking it off the free queue if nobody held it."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _take_new(self) -> int:
+        """The least recently freed block, its old cached contents forgotten."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    # ----------------------------------------------------------------------------- prefix caching
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash and publish the blocks of ``seq`` that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = hash((parent, chunk))
+            block.hash, block.token_ids = h, chunk
+            self._cached.setdefault(h, block.block_id)  # an equal block cached earlier stays canonical
+            parent = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ------------------------------------------------------------------------------------ release
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; tail blocks first, so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is None or self._cached.get(block.hash) != block_id:
+                    block.hash, block.token_ids = None, ()  # not findable: nothing to keep
+                self._free[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed = 0

@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
+fused into one matmul each. ``load_weights`` takes tensors under HF names and fills the fused layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.native.attention import paged_attention
+from backends.native.batch import AttentionMetadata
+from backends.native.config import ModelConfig
+from backends.native.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 and cast back before the weight, as HF's LlamaRMSNorm does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head. ``forward`` returns fp32 logits for ``meta.logits_indices`` only."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling, device=self.embed_tokens.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        x = self.norm(x[meta.logits_indices])
+        return self.lm_head(x).float()
+
+    # ----------------------------------------------------------------------------------- weights
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this module, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        unset = {name for name in params if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
+        for hf_name, tensor in tensors:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            name, offset = self._target(hf_name)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no place in the model")
+            param = params[name]
+            with torch.no_grad():
+                if offset is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    param.copy_(tensor)
+                else:
+                    param[offset: offset + tensor.shape[0]].copy_(tensor)
+            unset.discard(name)
+        if unset:
+            raise ValueError(f"checkpoint is missing weights for: {sorted(unset)[:5]}")
+
+    def _target(self, hf_name: str) -> tuple[str, int | None]:
+        """Map an HF name to (our parameter name, row offset inside a fused parameter or None)."""
+        name = hf_name.removeprefix("model.")
+        attn = self.layers[0].self_attn
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", attn.q_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", attn.q_size + attn.kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", self.config.intermediate_size),
+        }
+        for part, (target, offset) in fused.items():
+            if f".{part}." in name:
+                return name.replace(part, target), offset
+        return name, None

@@ -1,0 +1,99 @@
+"""Next-token choice with vLLM's semantics.
+
+Order of operations as in vLLM: penalties (repetition on prompt and output, presence/frequency on
+output), min_tokens masking of stop tokens, then greedy argmax or temperature → top-k → top-p → min-p
+and a draw. Draws use the exponential trick (argmax of p / Exp(1)), with noise from the request's own
+generator when it has a seed, so a seeded request samples the same tokens whatever else is batched.
+Logprobs are those of the raw model distribution (vLLM V1's default ``raw_logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.native.sequence import Sequence
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[Sampled]:
+    """Pick one token per row of ``logits`` [B, V] (fp32) for the matching sequence."""
+    want_logprobs = [s.params.logprobs is not None for s in seqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    logits = _apply_penalties(logits, seqs, eos_token_ids)
+
+    tokens = torch.empty(len(seqs), dtype=torch.int64)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    random = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    if random:
+        tokens[random] = _draw(logits[random], [seqs[i] for i in random])
+
+    out = []
+    for i, seq in enumerate(seqs):
+        tok = int(tokens[i])
+        if not want_logprobs[i]:
+            out.append(Sampled(tok))
+            continue
+        row = raw_logprobs[i]
+        top = []
+        if seq.params.logprobs:
+            values, ids = row.topk(seq.params.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        out.append(Sampled(tok, float(row[tok]), top))
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
+    cloned = False
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        needs_min_tokens = seq.num_output < p.min_tokens
+        needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if not (needs_min_tokens or needs_penalty):
+            continue
+        if not cloned:
+            logits, cloned = logits.clone(), True
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=row.shape[0])
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if needs_min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            row[sorted(stops)] = float("-inf")
+    return logits
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs])
+    if (top_k < logits.shape[1]).any():
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype).unsqueeze(1)
+    if (top_p < 1).any():
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype).unsqueeze(1)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    noise = torch.empty_like(probs)
+    for i, seq in enumerate(seqs):
+        noise[i].exponential_(generator=seq.generator)
+    return (probs / noise).argmax(dim=-1)

