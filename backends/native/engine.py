@@ -58,7 +58,8 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        """Load the model named by ``config``; pass ``tokenizer`` to reuse one already loaded."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -66,7 +67,7 @@ class LLMEngine:
         self.model_path = model_path
         checkpoint = open_checkpoint(model_path)
         self.model_config = checkpoint.config
-        self.tokenizer = Tokenizer(model_path)
+        self.tokenizer = tokenizer or Tokenizer(model_path)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position_embeddings,
                                  checkpoint.config.max_position_embeddings)
         dtype = resolve_dtype(config.dtype)

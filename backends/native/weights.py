@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,11 +48,15 @@ class Checkpoint:
 
     path: Path
     config: ModelConfig
-    is_gguf: bool
+    gguf_reader: Any = None  # parsed once: reading a GGUF's metadata takes seconds
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_reader is not None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float tensor) pairs; GGUF tensors are dequantised to fp32."""
-        return _gguf_tensors(self.path, self.config) if self.is_gguf else _safetensors(self.path)
+        return _gguf_tensors(self.gguf_reader, self.config) if self.is_gguf else _safetensors(self.path)
 
 
 def default_model_path() -> Path:
@@ -77,9 +82,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a local HF directory (config.json + safetensors) or a ``.gguf`` file. Never downloads."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return Checkpoint(path, _gguf_config(path), is_gguf=True)
+        reader = _gguf_reader(path)
+        return Checkpoint(path, _gguf_config(reader), reader)
     if path.is_dir() and (path / "config.json").exists():
-        return Checkpoint(path, ModelConfig.from_hf_dir(path), is_gguf=False)
+        return Checkpoint(path, ModelConfig.from_hf_dir(path))
     raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
 
 
@@ -107,14 +113,7 @@ def _gguf_reader(path: Path):
     return gguf.GGUFReader(str(path))
 
 
-def gguf_metadata(path: Path) -> dict:
-    """GGUF key/values as plain Python values (token lists included)."""
-    reader = _gguf_reader(path)
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-
-
-def _gguf_config(path: Path) -> ModelConfig:
-    reader = _gguf_reader(path)
+def _gguf_config(reader) -> ModelConfig:
     meta = {}
     for name, field in reader.fields.items():
         if name in ("tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
@@ -125,10 +124,9 @@ def _gguf_config(path: Path) -> ModelConfig:
     return config
 
 
-def _gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    reader = _gguf_reader(path)
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
         if type_name not in _SUPPORTED_GGUF_TYPES:
@@ -143,7 +141,7 @@ def _gguf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.
                 array = _unpermute(array, config.num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 array = _unpermute(array, config.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # own, writable copy
 
 
 def _hf_name(gguf_name: str) -> str | None:

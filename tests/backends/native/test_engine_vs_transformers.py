@@ -1,0 +1,113 @@
+"""The native engine on SmolLM2 (fp32, CPU) produces exactly transformers' greedy tokens.
+
+One batch of varied prompts (chat and raw text, 6 to ~400 tokens, shared prefixes) runs together,
+under every scheduling variant: prefix caching on and off, chunked prefill with small odd budgets,
+no chunking, and a KV cache so small that sequences are preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.base import SamplingParams
+from backends.native.batch import Batch
+from backends.native.engine import EngineConfig, LLMEngine
+from tests.backends.native.reference import hf_greedy
+
+NEW_TOKENS = 64
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
+    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
+    "What is 17 times 23?", "Give me a tip for learning to cook.", "Why is the sky blue?",
+    "Summarise the plot of Cinderella in two sentences.", "What does a CPU do?", "Name a famous painting.",
+]
+LONG_CONTEXT = (
+    "The history of computing is a story of abstraction. Early machines were programmed by rewiring; "
+    "stored programs made software possible, compilers made it portable, and operating systems shared "
+    "one machine among many users. Networks then joined machines together. "
+) * 4
+RAW_TEXTS = [
+    "Once upon a time", "def fibonacci(n):", "The three laws of thermodynamics are",
+    LONG_CONTEXT + "In summary,", LONG_CONTEXT + "The most important idea was",
+    LONG_CONTEXT * 2 + "Looking ahead,", "import torch\nimport numpy as np\n\n", "1, 2, 3, 5, 8, 13,",
+    "Dear hiring manager,", "Q: What is the boiling point of water?\nA:", "Paris is", "<html><body>",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    chats = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    raws = [smollm2_tokenizer.encode(t) for t in RAW_TEXTS]
+    return chats + raws
+
+
+@pytest.fixture(scope="module")
+def reference(hf_smollm2, prompts):
+    return [hf_greedy(hf_smollm2, p, NEW_TOKENS) for p in prompts]
+
+
+def _engine(tokenizer, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(max_model_len=1024, **overrides), tokenizer=tokenizer)
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    assert all(o.finish_reason == "length" for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def _assert_no_leak(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_prompts_are_varied(prompts):
+    assert len(prompts) >= 20
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] < 10 and lengths[-1] > 300
+
+
+def test_last_position_logits_match_within_1e3(smollm2_tokenizer, prompts, reference):
+    engine = _engine(smollm2_tokenizer)
+    bs, table_start = engine.blocks.block_size, 0
+    token_ids, positions, slots, tables = [], [], [], []
+    for p in prompts:  # all prompts in one flat prefill batch, each with its own blocks
+        nblocks = -(-len(p) // bs)
+        table = list(range(table_start, table_start + nblocks))
+        table_start += nblocks
+        token_ids += p
+        positions += range(len(p))
+        slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
+        tables.append(table)
+    batch = Batch(token_ids, positions, slots, [len(p) for p in prompts], [len(p) for p in prompts],
+                  tables, [True] * len(prompts))
+    logits = engine.runner.execute(batch)
+    expected = torch.stack([ref_logits for _, ref_logits in reference])
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(),
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=50),  # chunked prefill, chunks not aligned to blocks
+    dict(enable_chunked_prefill=False, max_num_batched_tokens=1024),
+    dict(num_blocks=48, max_num_batched_tokens=97),  # 768 tokens of KV for ~2,700: forced preemption
+], ids=["default", "no-prefix-cache", "chunked-50", "no-chunking", "preemption"])
+def test_batched_greedy_equals_transformers(smollm2_tokenizer, prompts, reference, variant):
+    engine = _engine(smollm2_tokenizer, **variant)
+    assert _greedy(engine, prompts) == [tokens for tokens, _ in reference]
+    _assert_no_leak(engine)
+    if "num_blocks" in variant:
+        assert engine.stats().preemptions > 0
+
+
+def test_prefix_cache_hits_keep_outputs_identical(smollm2_tokenizer, prompts, reference):
+    engine = _engine(smollm2_tokenizer)
+    first = _greedy(engine, prompts)
+    hits_before = engine.stats().prefix_cache_hits
+    second = _greedy(engine, prompts)  # every prompt's full blocks are cached now
+    assert engine.stats().prefix_cache_hits - hits_before > sum(len(p) for p in prompts) // 2
+    assert first == second == [tokens for tokens, _ in reference]
+    _assert_no_leak(engine)
