@@ -135,6 +135,9 @@ class LLMEngine:
         if req is not None:
             self.scheduler.abort(req.seq)
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -28,10 +28,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_strings(self, ids: list[int]) -> list[str]:
-        """Each id as a stand-alone string, for logprobs."""
-        return [self.hf.decode([i]) for i in ids]
-
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation plus the assistant turn header."""
         if self.hf.chat_template is None:

@@ -1,0 +1,140 @@
+"""Runs ``LLMEngine`` steps in one background thread and serves many asyncio callers.
+
+Callers never touch the engine: they post add/abort commands to a thread-safe inbox and receive their
+outputs on an ``asyncio.Queue`` fed with ``call_soon_threadsafe`` once per step. Closing a caller's
+iterator (client gone, task cancelled) posts an abort, so the sequence's KV blocks are freed at the
+next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from backends.base import SamplingParams, UpstreamError
+from backends.native.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="native-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they are produced; raises ``InvalidRequestError`` up front."""
+        if self.dead is not None:
+            raise UpstreamError(f"native engine stopped: {self.dead}")
+        self.engine.check_request(prompt_ids, params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._post(("add", request_id, prompt_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post(("abort", request_id))
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug or OOM: fail every request, keep serving new ones
+                log.exception("engine step failed")
+                self._fail_all(UpstreamError(f"engine step failed: {exc}"))
+                continue
+            self._deliver(outputs)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params = command
+                if request_id not in self._streams:
+                    continue  # the caller left before the engine saw the request
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params)
+                except Exception as exc:
+                    self._send(request_id, exc)
+            else:
+                self.engine.abort_request(command[1])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def _send(self, request_id: str, item: object) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            _call_soon(stream.loop, stream.queue.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in self.engine.request_ids():
+            self.engine.abort_request(request_id)
+            self._send(request_id, exc)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,100 @@
+"""The native engine behind the ``Backend`` protocol: tokenises, templates, streams chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from backends.base import (Backend, BackendInfo, EngineStats, GenerationChunk, GenerationRequest,
+                           InvalidRequestError, TokenLogprob, UnavailableError, Usage)
+from backends.native.async_engine import AsyncEngine
+from backends.native.engine import EngineConfig, LLMEngine, RequestOutput
+
+
+class NativeBackend(Backend):
+    """Our own engine, in-process. ``start`` loads the model (seconds) in a worker thread."""
+
+    def __init__(self, model_name: str, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self.name = f"native:{model_name}"
+        self.model_name = model_name
+        self.config = config or EngineConfig()
+        self._engine = engine
+        self._async: AsyncEngine | None = None
+
+    async def start(self) -> None:
+        if self._engine is None:
+            self._engine = await asyncio.to_thread(LLMEngine, self.config)
+        self._async = AsyncEngine(self._engine)
+
+    async def close(self) -> None:
+        if self._async is not None:
+            await asyncio.to_thread(self._async.close)
+            self._async = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None or self._async is None:
+            raise UnavailableError(f"backend {self.name} is not started")
+        return self._engine
+
+    # ----------------------------------------------------------------------------------- protocol
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        engine = self.engine
+        prompt_ids = self._prompt_ids(request)
+        params = dataclasses.replace(request.params, stop=list(request.params.stop),
+                                     stop_token_ids=list(request.params.stop_token_ids))
+        async for out in self._async.generate(request.request_id, prompt_ids, params):
+            yield self._chunk(out, engine)
+
+    async def health(self) -> bool:
+        return self._async is not None and self._async.alive
+
+    async def info(self) -> BackendInfo:
+        engine = self.engine
+        return BackendInfo(model_ids=[self.model_name], max_model_len=engine.max_model_len,
+                           tokenizer=str(engine.model_path))
+
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, messages, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        engine = self.engine
+        bad = next((t for t in token_ids if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {engine.vocab_size}).",
+                                      param="tokens")
+        return engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def stats(self) -> EngineStats | None:
+        return self._engine.stats() if self._engine is not None else None
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if isinstance(request.prompt, list):
+            return list(request.prompt)
+        return self._encode(request.prompt, request.messages, request.add_special_tokens)
+
+    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if messages is not None:
+            return tokenizer.apply_chat_template(messages)
+        try:
+            return tokenizer.encode(text or "", add_special_tokens=add_special_tokens)
+        except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates
+            raise InvalidRequestError(f"prompt cannot be tokenised: {exc}", param="prompt") from exc
+
+    @staticmethod
+    def _chunk(out: RequestOutput, engine: LLMEngine) -> GenerationChunk:
+        logprobs = None
+        if out.logprobs:
+            tok = engine.tokenizer
+            logprobs = [TokenLogprob(s.token_id, tok.decode([s.token_id], False), s.logprob,
+                                     [(i, tok.decode([i], False), lp) for i, lp in (s.top or [])])
+                        for s in out.logprobs]
+        usage = None
+        if out.finish_reason is not None:
+            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        return GenerationChunk(out.text, out.token_ids, logprobs, out.finish_reason, usage)

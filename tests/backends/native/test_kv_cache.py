@@ -1,0 +1,143 @@
+"""Block manager: ref counts, prefix cache hits, LRU eviction, and exact free counts under any history."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.base import SamplingParams
+from backends.native.kv_cache import BlockManager
+from backends.native.scheduler import Scheduler, SchedulerConfig
+from backends.native.sequence import Sequence, Status
+
+
+def _seq(rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def _prefill(bm: BlockManager, seq: Sequence) -> None:
+    hits = bm.match_prefix(seq)
+    assert bm.allocate(seq, seq.num_uncomputed - len(hits) * bm.block_size, hits)
+    seq.num_computed = seq.num_tokens
+    bm.register_full_blocks(seq)
+
+
+def test_shared_prefix_is_reused_and_ref_counted():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = _seq("a", list(range(10)))
+    _prefill(bm, a)
+    b = _seq("b", list(range(8)) + [99, 98])
+    assert bm.match_prefix(b) == a.block_table[:2]
+    _prefill(bm, b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.num_free_blocks == 10 - 3 - 1  # a: 3 blocks, b: 1 new block
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+
+
+def test_never_a_hit_on_the_last_prompt_token():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    _prefill(bm, _seq("a", list(range(8))))
+    again = _seq("b", list(range(8)))  # two full blocks, but the last token must be computed
+    assert len(bm.match_prefix(again)) == 1
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = _seq("a", [1, 2, 3, 4, 5])
+    _prefill(bm, a)
+    bm.free(a)
+    assert len(bm.match_prefix(_seq("x", [1, 2, 3, 4, 5]))) == 2  # still cached after free
+    filler = _seq("f", [7, 7, 7, 7, 7, 7, 7])  # needs all 4 blocks: evicts everything
+    _prefill(bm, filler)
+    bm.free(filler)
+    assert bm.match_prefix(_seq("y", [1, 2, 3, 4, 5])) == []
+
+
+def test_hash_collision_is_guarded_by_token_check():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = _seq("a", [1, 2, 3])
+    _prefill(bm, a)
+    block = bm.blocks[a.block_table[0]]
+    block.token_ids = (9, 9)  # as if another prefix had produced the same hash
+    assert bm.match_prefix(_seq("b", [1, 2, 3])) == []
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = _seq("a", list(range(12)))
+    assert not bm.allocate(s, 12)
+    assert s.block_table == [] and bm.num_free_blocks == 2
+
+
+def _check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+    owners: dict[int, int] = {}
+    for seq in live:
+        assert len(set(seq.block_table)) == len(seq.block_table), "a block twice in one table"
+        for b in seq.block_table:
+            owners[b] = owners.get(b, 0) + 1
+    for block in bm.blocks:
+        assert block.ref_count == owners.get(block.block_id, 0), "ref count differs from owners"
+    assert bm.num_free_blocks == bm.num_blocks - len(owners)
+
+
+events = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
+                            st.integers(0, 5), st.integers(1, 40)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=events, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
+       budget=st.integers(1, 64), prefix_caching=st.booleans())
+def test_scheduler_never_leaks_or_double_owns_blocks(events, num_blocks, block_size, budget, prefix_caching):
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), bm)
+    seqs: list[Sequence] = []
+    for kind, pick, length in events:
+        if kind == "add":
+            tokens = [pick % 3] * length  # few distinct prompts: many prefix hits
+            if bm.blocks_needed(length + 3) <= num_blocks:  # the engine's admission check
+                seq = _seq(f"r{len(seqs)}", tokens, max_tokens=3)
+                sched.add(seq)
+                seqs.append(seq)
+        elif kind == "abort" and seqs:
+            sched.abort(seqs[pick % len(seqs)])
+        elif kind == "step":
+            step = sched.schedule()
+            if step is not None:
+                assert sum(step.num_tokens) <= budget
+                sched.complete(step)
+                for seq, sampled in zip(step.seqs, step.batch.sample):
+                    if sampled and seq.status is Status.RUNNING:
+                        seq.token_ids.append(7)
+                        if seq.num_output >= seq.params.max_tokens:
+                            sched.finish(seq, "length")
+        live = [s for s in seqs if s.status is not Status.FINISHED]
+        _check_invariants(bm, [s for s in live if s.block_table])
+    for seq in seqs:
+        sched.abort(seq)
+    assert bm.num_free_blocks == num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_every_admitted_request_finishes_under_pressure():
+    """Preemption by recompute makes progress: a full drain with a tiny cache terminates."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5), bm)
+    seqs = [_seq(f"r{i}", [i] * 5, max_tokens=4) for i in range(8)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(500):
+        step = sched.schedule()
+        if step is None:
+            break
+        sched.complete(step)
+        for seq, sampled in zip(step.seqs, step.batch.sample):
+            if sampled:
+                seq.token_ids.append(1)
+                if seq.num_output >= 4:
+                    sched.finish(seq, "length")
+    assert all(s.status is Status.FINISHED for s in seqs)
+    assert sched.num_preemptions > 0
+    assert bm.num_free_blocks == 6
