@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,8 +46,10 @@ class NativeBackend(Backend):
         prompt_ids = self._prompt_ids(request)
         params = dataclasses.replace(request.params, stop=list(request.params.stop),
                                      stop_token_ids=list(request.params.stop_token_ids))
-        async for out in self._async.generate(request.request_id, prompt_ids, params):
-            yield self._chunk(out, engine)
+        # aclosing: when our caller stops early, the engine's stream must close now (and abort), not at GC.
+        async with contextlib.aclosing(self._async.generate(request.request_id, prompt_ids, params)) as outs:
+            async for out in outs:
+                yield self._chunk(out, engine)
 
     async def health(self) -> bool:
         return self._async is not None and self._async.alive

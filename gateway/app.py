@@ -1,0 +1,247 @@
+"""The FastAPI app: OpenAI routes, vLLM's tokenizer routes, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from backends.base import GenerationRequest, InvalidRequestError
+from gateway import errors
+from gateway.config import hash_key
+from gateway.errors import GatewayError, sse_error_event
+from gateway.limits import KeyLimits
+from gateway.openai_format import DONE, Folded, ResponseWriter
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.service import ANONYMOUS, Caller, Gateway
+
+
+def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
+    """The ASGI app serving ``gateway``; with ``manage_lifecycle`` it starts and closes the backends."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if manage_lifecycle:
+            await gateway.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await gateway.close()
+
+    app = FastAPI(title="burstgate", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible gateway in front of the native engine, vLLM, TGI and DeepSpeed.")
+    app.state.gateway = gateway
+    errors.install(app)
+    app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
+    keys = {k.sha256: k for k in gateway.settings.api_keys}
+
+    def authenticate(request: Request) -> Caller:
+        if not keys:
+            return ANONYMOUS
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise errors.unauthorized()
+        digest = hash_key(token.strip())
+        # Compare against every key in constant time, so timing reveals nothing about near-misses.
+        match = None
+        for stored, key in keys.items():
+            if hmac.compare_digest(stored, digest):
+                match = key
+        if match is None:
+            raise errors.unauthorized()
+        return Caller(match.name, KeyLimits(match.requests_per_minute, match.tokens_per_minute))
+
+    def metrics_auth(request: Request) -> None:
+        if gateway.settings.protect_metrics:
+            authenticate(request)
+
+    # -------------------------------------------------------------------------------- generation
+    @app.post("/v1/chat/completions", tags=["openai"])
+    async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
+        params = body.to_sampling_params()
+        gen = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", body.model, params,
+                                messages=body.template_messages())
+        return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=True))
+
+    @app.post("/v1/completions", tags=["openai"])
+    async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
+        params = body.to_sampling_params()
+        gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt())
+        return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=False))
+
+    async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest,
+                     caller: Caller, writer: ResponseWriter):
+        group = gateway.group(body.model)
+        await gateway.rate_limiter.admit(caller.name, caller.limits)
+        stream = gateway.generate(group, gen, caller)
+        if not body.stream:
+            return await _until_disconnect(request, _fold(stream, writer))
+        try:
+            first = await anext(stream)  # errors before the first token keep their HTTP status
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return StreamingResponse(_sse(first, stream, writer, body.include_usage, body.continuous_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ---------------------------------------------------------------------------------- models
+    @app.get("/v1/models", tags=["openai"])
+    async def list_models(_: Caller = Depends(authenticate)):
+        data = []
+        for name, group in gateway.groups.items():
+            info = await _first_info(group)
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "burstgate",
+                         "max_model_len": info.max_model_len if info else None})
+        return {"object": "list", "data": data}
+
+    async def _first_info(group):
+        for d in group.deployments:
+            with contextlib.suppress(Exception):
+                return await d.backend.info()
+        return None
+
+    # ------------------------------------------------------------------------------- tokenizer
+    def _tokenizer_group(model: str | None):
+        if model is None:
+            if len(gateway.groups) != 1:
+                raise InvalidRequestError("model is required when several models are served", param="model")
+            return next(iter(gateway.groups.values()))
+        return gateway.group(model)
+
+    @app.post("/tokenize", tags=["vllm"])
+    async def tokenize(body: TokenizeRequest, _: Caller = Depends(authenticate)):
+        group = _tokenizer_group(body.model)
+        backend = group.choose().backend
+        messages = [m.as_template_input() for m in body.messages] if body.messages is not None else None
+        ids = await backend.tokenize(body.prompt, messages, body.add_special_tokens)
+        info = await backend.info()
+        out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [await backend.detokenize([i]) for i in ids]
+        return out
+
+    @app.post("/detokenize", tags=["vllm"])
+    async def detokenize(body: DetokenizeRequest, _: Caller = Depends(authenticate)):
+        backend = _tokenizer_group(body.model).choose().backend
+        return {"prompt": await backend.detokenize(body.tokens)}
+
+    # ------------------------------------------------------------------------------ operations
+    @app.get("/health", tags=["operations"])
+    async def health():
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["operations"])
+    async def ready():
+        """Readiness: every served model has at least one healthy deployment."""
+        state = {name: group.ready for name, group in gateway.groups.items()}
+        ok = bool(state) and all(state.values())
+        return JSONResponse({"ready": ok, "models": state}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics(_: None = Depends(metrics_auth)):
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/backends", tags=["operations"])
+    async def admin_backends(_: Caller = Depends(authenticate)):
+        return {"models": [{"name": g.name, "deployments": [
+            {"name": d.name, "backend": d.backend.name, "healthy": d.healthy, "weight": d.weight,
+             "in_flight": d.limiter.in_flight, "waiting": d.limiter.waiting} for d in g.deployments]}
+            for g in gateway.groups.values()]}
+
+    return app
+
+
+async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> dict:
+    folded = Folded()
+    async with contextlib.aclosing(stream) as chunks:
+        async for chunk in chunks:
+            folded.add(chunk)
+    return writer.full(folded)
+
+
+async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usage: bool,
+               continuous_usage: bool) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(stream) as chunks:
+        try:
+            role = writer.role_event()
+            if role:
+                yield role
+            usage, emitted = None, 0
+            pending = [first] if first is not None else []
+            async for chunk in _chain(pending, chunks):
+                emitted += len(chunk.token_ids)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                event = writer.chunk_event(chunk, usage if continuous_usage and chunk.usage else None)
+                if event:
+                    yield event
+            if include_usage:
+                yield writer.usage_event(usage)
+        except Exception as exc:  # after the first byte the status is sent: report in-band
+            yield sse_error_event(exc)
+        yield DONE
+
+
+async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _until_disconnect(request: Request, work) -> dict | Response:
+    """Run ``work``, cancelling it if the client disconnects first (vLLM's ``with_cancellation``)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return Response(status_code=499)  # nobody is listening; the status is for logs only
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over ``limit`` bytes with 413, by Content-Length or while streaming in."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await errors.error_response(errors.body_too_large(self.limit))(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise GatewayError(413, f"Request body exceeds the limit of {self.limit} bytes.",
+                                       type="invalid_request_error", code="request_too_large")
+            return message
+
+        return await self.app(scope, limited_receive, send)

@@ -1,0 +1,95 @@
+"""The ``burstgate`` command: ``serve`` the gateway; ``loadtest`` subcommands live in loadtest/cli.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gateway.config import DeploymentConfig, ModelRoute, Settings, load_settings
+
+app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
+                  no_args_is_help=True, add_completion=False)
+log = logging.getLogger("burstgate")
+
+_SERVE_ENV = "BURSTGATE_SERVE_ARGS"
+
+
+@app.callback()
+def main() -> None:
+    """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""  # hands the parsed options to uvicorn worker processes
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class BackendKind(str, Enum):
+    native = "native"
+
+
+def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None, name: str | None) -> Settings:
+    """The config file's settings, with ``--model`` (a local path) served on the native engine if given."""
+    settings = load_settings(config)
+    if model is not None:
+        if not model.exists():
+            raise typer.BadParameter(f"{model} does not exist (give a local HF directory or .gguf file)",
+                                     param_hint="--model")
+        route = ModelRoute(name=name or model.stem, deployments=[DeploymentConfig(
+            model_path=str(model), dtype=(dtype or Dtype.float32).value)])
+        settings.models = [route]
+    elif dtype is not None:
+        for route in settings.routes():
+            for d in route.deployments:
+                d.dtype = dtype.value
+        settings.models = settings.routes()
+    return settings
+
+
+def app_from_env():
+    """uvicorn factory for ``--workers N``: each worker rebuilds the app from the serve options."""
+    from gateway.app import create_app
+    from gateway.service import Gateway
+
+    args = json.loads(os.environ[_SERVE_ENV])
+    settings = build_settings(*(Path(a) if a else None for a in args[:2]),
+                              Dtype(args[2]) if args[2] else None, args[3])
+    return create_app(Gateway.from_settings(settings))
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    config: Annotated[Path | None, typer.Option(help="YAML config (models, deployments, keys, limits).",
+                                                exists=True, dir_okay=False)] = None,
+    model: Annotated[Path | None, typer.Option(help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Public name for --model.")] = None,
+    backend: Annotated[BackendKind, typer.Option(help="Engine for --model.")] = BackendKind.native,
+    dtype: Annotated[Dtype | None, typer.Option(help="Native engine dtype (default float32).")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
+    log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
+) -> None:
+    """Start the gateway. With no options: SmolLM2-135M-Instruct on the native engine, in-process."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = build_settings(config, model, dtype, served_model_name)
+    names = ", ".join(r.name for r in settings.routes())
+    log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
+    if workers > 1:
+        os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
+                                             dtype.value if dtype else None, served_model_name])
+        uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level)
+        return
+    from gateway.app import create_app
+    from gateway.service import Gateway
+
+    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level)

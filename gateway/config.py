@@ -1,0 +1,123 @@
+"""Gateway configuration: one YAML file, validated by pydantic, overridable by ``BURSTGATE_*`` env vars.
+
+With no file and no models the gateway serves the embedded default: SmolLM2 on the native engine.
+Nested env overrides use ``__``: ``BURSTGATE_LIMITS__MAX_BODY_BYTES=1000000``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeploymentConfig(_Strict):
+    """One backend serving a public model name."""
+
+    kind: Literal["native", "openai"] = "native"
+    name: str | None = None  # label in metrics and /admin/backends; derived when omitted
+    weight: float = Field(1.0, gt=0)
+    max_concurrency: int = Field(256, ge=1)  # requests in flight on this deployment
+    max_queue: int = Field(1024, ge=0)  # requests waiting for a slot before 429
+    # native engine
+    model_path: str | None = None  # local HF directory or .gguf; None: the embedded SmolLM2
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int | None = None
+    kv_cache_gb: float = Field(2.0, gt=0)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    enable_prefix_caching: bool = True
+    # remote servers
+    url: str | None = None
+    upstream_model: str | None = None  # the name the remote server knows the model by
+    api_key: str | None = None
+    connect_timeout_s: float = Field(5.0, gt=0)
+    first_token_timeout_s: float = Field(120.0, gt=0)
+    total_timeout_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> DeploymentConfig:
+        if self.kind != "native" and not self.url:
+            raise ValueError(f"a {self.kind} deployment needs a url")
+        return self
+
+
+class ModelRoute(_Strict):
+    name: str = Field(min_length=1)
+    deployments: list[DeploymentConfig] = Field(min_length=1)
+
+
+class ApiKey(_Strict):
+    """A client key. Give ``key`` (hashed at load, never kept) or its ``sha256`` hex digest."""
+
+    name: str = "default"
+    key: str | None = None
+    sha256: str | None = None
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _hash_now(self) -> ApiKey:
+        if self.key is not None:
+            self.sha256, self.key = hash_key(self.key), None
+        if not self.sha256:
+            raise ValueError("an API key needs key or sha256")
+        return self
+
+
+class Limits(_Strict):
+    max_body_bytes: int = Field(2_000_000, ge=1024)
+    redis_url: str | None = None  # shared rate-limit counters when several replicas run
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="BURSTGATE_", env_nested_delimiter="__", extra="forbid")
+
+    models: list[ModelRoute] = Field(default_factory=list)
+    api_keys: list[ApiKey] = Field(default_factory=list)
+    api_key: str | None = None  # shorthand for one unnamed key without limits (like VLLM_API_KEY)
+    protect_metrics: bool = False  # require a key on /metrics too
+    limits: Limits = Field(default_factory=Limits)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return env_settings, init_settings  # the environment overrides the file
+
+    @model_validator(mode="after")
+    def _fold_single_key(self) -> Settings:
+        if self.api_key:
+            self.api_keys = [*self.api_keys, ApiKey(name="default", key=self.api_key)]
+            self.api_key = None
+        names = [m.name for m in self.models]
+        if len(names) != len(set(names)):
+            raise ValueError("model names must be unique")
+        return self
+
+    def routes(self) -> list[ModelRoute]:
+        """The configured models, or the embedded default when none is configured."""
+        return self.models or [ModelRoute(name=DEFAULT_MODEL_NAME, deployments=[DeploymentConfig()])]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Read a YAML config file (optional) and apply ``BURSTGATE_*`` environment overrides."""
+    data = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    return Settings(**data)

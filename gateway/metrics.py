@@ -1,0 +1,84 @@
+"""Every Prometheus metric the gateway exports, defined in one place (names in vLLM's ``vllm:*`` style).
+
+Each app gets its own registry, so several gateways can live in one process (tests, benchmarks).
+In-process engines' live figures are read at scrape time by a collector, never copied on a timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from backends.base import EngineStats
+
+# Buckets as vLLM uses for TTFT / ITL / E2E.
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ("model", "backend")
+        self.requests = Counter("burstgate:requests", "Requests finished, by outcome.",
+                                (*labels, "status"), registry=r)
+        self.ttft = Histogram("burstgate:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT, registry=r)
+        self.itl = Histogram("burstgate:inter_token_latency_seconds", "Time between streamed chunks.", labels,
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("burstgate:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+                             buckets=_E2E, registry=r)
+        self.prompt_tokens = Counter("burstgate:prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("burstgate:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.in_flight = Gauge("burstgate:requests_in_flight", "Requests being served now.", labels, registry=r)
+        self.backend_healthy = Gauge("burstgate:backend_healthy", "1 when the backend passed its last check.",
+                                     ("backend",), registry=r)
+        self.rate_limited = Counter("burstgate:rate_limited_requests", "Requests refused by a key's limit.",
+                                    ("key", "limit"), registry=r)
+
+    def watch_engines(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
+        """Export the live figures of in-process engines; ``engines`` yields (model, backend, stats)."""
+        self.registry.register(_EngineCollector(engines))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
+        self.engines = engines
+
+    def collect(self):
+        labels = ["model", "backend"]
+        gauges = {
+            "running": GaugeMetricFamily("burstgate:num_requests_running", "Sequences in the engine's batch.",
+                                         labels=labels),
+            "waiting": GaugeMetricFamily("burstgate:num_requests_waiting", "Sequences queued in the engine.",
+                                         labels=labels),
+            "kv_usage": GaugeMetricFamily("burstgate:kv_cache_usage_perc", "Fraction of KV blocks in use.",
+                                          labels=labels),
+            "hit_rate": GaugeMetricFamily("burstgate:prefix_cache_hit_rate",
+                                          "Prompt tokens served from the prefix cache / looked up.", labels=labels),
+        }
+        counters = {
+            "preemptions": CounterMetricFamily("burstgate:num_preemptions", "Sequences preempted.", labels=labels),
+            "prefix_cache_queries": CounterMetricFamily("burstgate:prefix_cache_queries",
+                                                        "Prompt tokens looked up.", labels=labels),
+            "prefix_cache_hits": CounterMetricFamily("burstgate:prefix_cache_hits", "Prompt tokens found.",
+                                                     labels=labels),
+        }
+        for model, backend, s in self.engines():
+            values = [model, backend]
+            gauges["running"].add_metric(values, s.running)
+            gauges["waiting"].add_metric(values, s.waiting)
+            gauges["kv_usage"].add_metric(values, s.kv_usage)
+            gauges["hit_rate"].add_metric(values, s.prefix_cache_hits / s.prefix_cache_queries
+                                          if s.prefix_cache_queries else 0.0)
+            counters["preemptions"].add_metric(values, s.preemptions)
+            counters["prefix_cache_queries"].add_metric(values, s.prefix_cache_queries)
+            counters["prefix_cache_hits"].add_metric(values, s.prefix_cache_hits)
+        yield from gauges.values()
+        yield from counters.values()
