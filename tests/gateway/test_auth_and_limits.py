@@ -1,0 +1,96 @@
+"""API keys, per-key rate limits (in memory and shared through a real Redis), and backend queue limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.config import hash_key
+from gateway.limits import WINDOW_S, RedisRateLimiter
+from tests.gateway.conftest import MODEL
+from tests.servers import redis_server
+
+BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+
+def _fresh_window() -> None:
+    """Limits count in fixed one-minute windows: start a counting test well inside one."""
+    into = time.time() % WINDOW_S
+    if into > WINDOW_S - 15:
+        time.sleep(WINDOW_S - into + 0.1)
+
+
+def _post(url, key=None, body=BODY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def test_keys_guard_v1_routes_but_not_health(start_gateway):
+    keys = [{"name": "alice", "key": "sk-alice"}, {"name": "bob", "sha256": hash_key("sk-bob")}]
+    with start_gateway(api_keys=keys) as (url, gateway):
+        assert all(k.key is None for k in gateway.settings.api_keys)  # only hashes are kept
+        assert _post(url).status_code == 401
+        r = _post(url, "sk-wrong")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert _post(url, "sk-alice").status_code == 200
+        assert _post(url, "sk-bob").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-nope", max_retries=0).models.list()
+
+
+def test_metrics_can_require_a_key(start_gateway):
+    with start_gateway(api_keys=[{"key": "sk-ops"}], protect_metrics=True) as (url, _):
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-ops"}).status_code == 200
+
+
+def test_requests_per_minute_limit_is_429_with_retry_after(start_gateway):
+    _fresh_window()
+    with start_gateway(api_keys=[{"name": "tiny", "key": "sk-t", "requests_per_minute": 3}]) as (url, _):
+        codes = [_post(url, "sk-t").status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+        r = _post(url, "sk-t")
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-t", max_retries=0).completions.create(
+                model=MODEL, prompt="x", max_tokens=1)
+
+
+def test_tokens_per_minute_limit(start_gateway):
+    _fresh_window()
+    with start_gateway(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 20}]) as (url, _):
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
+        assert _post(url, "sk-k", body).status_code == 200  # ~10 tokens
+        assert _post(url, "sk-k", body).status_code == 200  # ~20: now spent
+        assert _post(url, "sk-k", body).status_code == 429
+
+
+def test_limits_are_shared_across_replicas_through_redis(start_gateway):
+    _fresh_window()
+    key = [{"name": "shared", "key": "sk-s", "requests_per_minute": 4}]
+    with redis_server() as redis_url:
+        with start_gateway(api_keys=key, rate_limiter=RedisRateLimiter(redis_url)) as (a, _), \
+                start_gateway(api_keys=key, rate_limiter=RedisRateLimiter(redis_url)) as (b, _):
+            codes = [_post(url, "sk-s").status_code for url in (a, b, a, b, a, b)]
+    assert codes == [200, 200, 200, 200, 429, 429]
+
+
+def test_full_backend_queue_answers_429(start_gateway, engine_idle):
+    async def burst(url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": MODEL, "prompt": "Tell a story", "max_tokens": 40, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(8)))
+
+    with start_gateway(max_concurrency=2, max_queue=2) as (url, _):
+        responses = asyncio.run(burst(url))
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) == 4 and codes.count(429) == 4
+    assert all("Retry-After" in r.headers for r in responses if r.status_code == 429)

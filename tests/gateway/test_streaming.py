@@ -1,0 +1,83 @@
+"""Raw SSE framing, and client disconnects (streamed or not) aborting the engine's work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from tests.gateway.conftest import MODEL
+
+
+def _events(raw: str) -> list[str]:
+    assert raw.endswith("\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[len("data: "):] for e in events]
+
+
+def test_sse_framing_and_done(gateway_url):
+    with httpx.stream("POST", f"{gateway_url}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _events(r.read().decode())
+    assert events[-1] == "[DONE]"
+    bodies = [json.loads(e) for e in events[:-1]]
+    assert all(b["object"] == "chat.completion.chunk" for b in bodies)
+    assert len({b["id"] for b in bodies}) == 1
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_continuous_usage_on_the_last_token_chunk(gateway_url):
+    with httpx.stream("POST", f"{gateway_url}/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True}}) as r:
+        bodies = [json.loads(e) for e in _events(r.read().decode())[:-1]]
+    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
+    assert bodies[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_error_before_first_token_keeps_http_status(gateway_url):
+    r = httpx.post(f"{gateway_url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                          "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens"
+
+
+async def _disconnect_midstream(url: str, i: int) -> int:
+    async with httpx.AsyncClient(timeout=60) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": f"Write a very long essay number {i}:", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 2 + i % 5:
+                    break  # leaving the block closes the connection mid-stream
+    return seen
+
+
+def test_disconnecting_mid_stream_many_times_frees_every_block(gateway_url, engine_idle):
+    async def main():
+        return await asyncio.gather(*(_disconnect_midstream(gateway_url, i) for i in range(24)))
+
+    assert all(n >= 2 for n in asyncio.run(main()))
+    # engine_idle asserts no sequence and no KV block is left once the aborts land.
+
+
+def test_non_streaming_disconnect_aborts_the_request(gateway_url, engine_idle, native_engine):
+    async def main():
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(client.post(f"{gateway_url}/v1/completions", json={
+                "model": MODEL, "prompt": "A long story:", "max_tokens": 900, "ignore_eos": True}, timeout=120))
+            for _ in range(200):  # wait until the engine is working on it
+                await asyncio.sleep(0.02)
+                if native_engine.has_unfinished():
+                    break
+            assert native_engine.has_unfinished()
+            task.cancel()  # drops the connection
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
