@@ -1,0 +1,86 @@
+"""Configuration: YAML validated by pydantic, environment overrides, the embedded default, CLI options."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from gateway.cli import app, build_settings
+from gateway.config import DEFAULT_MODEL_NAME, hash_key, load_settings
+
+YAML = """
+models:
+  - name: smol
+    deployments:
+      - kind: native
+        dtype: bfloat16
+        max_concurrency: 8
+      - kind: openai
+        url: http://127.0.0.1:9/v1
+        upstream_model: smol-upstream
+api_keys:
+  - name: team-a
+    key: sk-a
+    requests_per_minute: 10
+limits:
+  max_body_bytes: 100000
+"""
+
+
+def test_yaml_is_loaded_and_keys_hashed(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text(YAML)
+    s = load_settings(path)
+    assert [r.name for r in s.routes()] == ["smol"]
+    native, remote = s.models[0].deployments
+    assert native.dtype == "bfloat16" and native.max_concurrency == 8 and remote.upstream_model == "smol-upstream"
+    assert s.api_keys[0].key is None and s.api_keys[0].sha256 == hash_key("sk-a")
+    assert s.limits.max_body_bytes == 100000
+
+
+def test_environment_overrides_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "gw.yaml"
+    path.write_text(YAML)
+    monkeypatch.setenv("BURSTGATE_LIMITS__MAX_BODY_BYTES", "5000")
+    monkeypatch.setenv("BURSTGATE_API_KEY", "sk-env")
+    s = load_settings(path)
+    assert s.limits.max_body_bytes == 5000
+    assert hash_key("sk-env") in {k.sha256 for k in s.api_keys}
+
+
+def test_no_config_means_the_embedded_default():
+    (route,) = load_settings(None).routes()
+    assert route.name == DEFAULT_MODEL_NAME and route.deployments[0].kind == "native"
+    assert route.deployments[0].model_path is None
+
+
+@pytest.mark.parametrize("bad", [
+    "models: [{name: x, deployments: []}]",
+    "models: [{name: x, deployments: [{kind: openai}]}]",  # remote without url
+    "models: [{name: x, deployments: [{kind: quantum}]}]",
+    "models: [{name: x, deployments: [{max_concurrency: 0}]}]",
+    "api_keys: [{name: nokey}]",
+    "unknown_section: 1",
+    "- just\n- a list",
+])
+def test_invalid_config_is_refused(tmp_path, bad):
+    path = tmp_path / "bad.yaml"
+    path.write_text(bad)
+    with pytest.raises((ValidationError, ValueError)):
+        load_settings(path)
+
+
+def test_model_option_serves_a_local_path(tmp_path, smollm2_path):
+    s = build_settings(None, smollm2_path, None, "mine")
+    (route,) = s.routes()
+    assert route.name == "mine" and route.deployments[0].model_path == str(smollm2_path)
+    with pytest.raises(Exception, match="does not exist"):
+        build_settings(None, tmp_path / "missing.gguf", None, None)
+
+
+def test_cli_help_lists_serve_options():
+    result = CliRunner().invoke(app, ["serve", "--help"])
+    assert result.exit_code == 0
+    for option in ("--host", "--port", "--config", "--model", "--dtype", "--workers"):
+        assert option in result.output
