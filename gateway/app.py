@@ -177,10 +177,8 @@ async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usa
             role = writer.role_event()
             if role:
                 yield role
-            usage, emitted = None, 0
-            pending = [first] if first is not None else []
-            async for chunk in _chain(pending, chunks):
-                emitted += len(chunk.token_ids)
+            usage = None
+            async for chunk in _chain([first] if first is not None else [], chunks):
                 if chunk.usage is not None:
                     usage = chunk.usage
                 event = writer.chunk_event(chunk, usage if continuous_usage and chunk.usage else None)

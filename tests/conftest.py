@@ -1,17 +1,30 @@
-"""Fixtures shared by every test package: the embedded model and transformers as the reference."""
+"""Fixtures shared by every test package: the embedded model, transformers as the reference, and a
+real gateway in front of one shared native engine (loaded once per session)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from backends.native.backend import NativeBackend
+from backends.native.engine import EngineConfig, LLMEngine
 from backends.native.weights import default_model_path
+from gateway.app import create_app
+from gateway.config import Settings
+from gateway.limits import ConcurrencyLimiter
+from gateway.routing import Deployment, ModelGroup
+from gateway.service import Gateway
+from tests.servers import serve_app
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
 torch.set_num_threads(2)
+
+MODEL = "smollm2"  # the public name tests serve the shared engine under
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +47,37 @@ def smollm2_tokenizer(smollm2_path):
     from backends.native.tokenizer import Tokenizer
 
     return Tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def native_engine(smollm2_tokenizer) -> LLMEngine:
+    return LLMEngine(EngineConfig(max_model_len=1024, num_blocks=256, max_num_batched_tokens=512),
+                     tokenizer=smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def start_gateway(native_engine):
+    """Factory: ``with start_gateway(**settings) as url`` serves MODEL from the shared engine."""
+
+    @contextlib.contextmanager
+    def start(max_concurrency: int = 64, max_queue: int = 256, rate_limiter=None, **settings):
+        backend = NativeBackend(MODEL, engine=native_engine)
+        group = ModelGroup(MODEL, [Deployment("native-0", backend, 1.0, ConcurrencyLimiter(max_concurrency, max_queue))])
+        gateway = Gateway(Settings(**settings), [group], rate_limiter=rate_limiter)
+        with serve_app(create_app(gateway)) as url:
+            yield url, gateway
+
+    return start
+
+
+@pytest.fixture
+def engine_idle(native_engine):
+    """Asserts after the test that the engine holds no sequence and no KV block."""
+    yield native_engine
+    bm = native_engine.blocks
+    for _ in range(200):
+        if bm.num_free_blocks == bm.num_blocks and not native_engine.has_unfinished():
+            break
+        time.sleep(0.05)
+    assert not native_engine.has_unfinished(), "a sequence is still in the engine"
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import hash_key
 from gateway.limits import WINDOW_S, RedisRateLimiter
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 from tests.servers import redis_server
 
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

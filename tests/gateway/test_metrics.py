@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from gateway.app import create_app
 from gateway.config import Settings
 from gateway.routing import Deployment, ModelGroup
 from gateway.service import Gateway
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 from tests.servers import serve_app
 
 

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from tests.gateway.conftest import MODEL
+from tests.conftest import MODEL
 
 
 def _events(raw: str) -> list[str]:
