@@ -12,9 +12,11 @@ from typing import Annotated
 import typer
 
 from gateway.config import DeploymentConfig, ModelRoute, Settings, load_settings
+from loadtest.cli import app as loadtest_app
 
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
                   no_args_is_help=True, add_completion=False)
+app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
 log = logging.getLogger("burstgate")
 
 _SERVE_ENV = "BURSTGATE_SERVE_ARGS"
@@ -93,3 +95,4 @@ def serve(
     from gateway.service import Gateway
 
     uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level)
+

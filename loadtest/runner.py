@@ -1,0 +1,161 @@
+"""Runs one workload against one target: schedule, send, record, sample the system, summarise.
+
+Every send is awaited at its precomputed target time on the monotonic clock (system-wide on Linux,
+so worker processes share it). With ``workers > 1`` the requests are dealt round-robin to processes
+that each run their own event loop and HTTP client, all aiming at the same start instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import httpx
+
+from loadtest.client import RequestOptions, Target, new_client, send
+from loadtest.metrics import RequestRecord, summarize
+from loadtest.schedule import Schedule, arrival_offsets
+from loadtest.sysmon import Sampler, find_server_process, hardware, scrape_metrics
+from loadtest.workload import RequestSpec
+
+LAG_WARNING_S = 0.010  # p99 send lag above this means the client, not the server, set the pace
+START_LEAD_S = 0.2  # time to create every task before the first send is due
+
+
+@dataclass
+class RunConfig:
+    schedule: Schedule = Schedule.burst
+    rate: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None  # closed loop: at most this many in flight
+    duration_s: float | None = None  # stop sending after this long
+    warmup: int = 0  # requests sent before the timed window
+    seed: int = 0
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    workers: int = 1
+    server_pid: int | None = None
+    server_port: int | None = None
+    sample_interval_s: float = 0.5
+    request: RequestOptions = field(default_factory=RequestOptions)
+
+
+@dataclass
+class TargetResult:
+    target: Target
+    config: RunConfig
+    records: list[RequestRecord]
+    summary: dict
+    samples: list = field(default_factory=list)
+    metrics_before: dict = field(default_factory=dict)
+    metrics_after: dict = field(default_factory=dict)
+    hardware: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
+                     on_done: Callable[[RequestRecord | None], None] | None = None) -> TargetResult:
+    """Send ``specs`` to ``target`` as ``cfg`` says; every failure is recorded, nothing raises."""
+    offsets = arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed)
+    async with new_client(cfg.concurrency or len(specs), cfg.request) as client:
+        for _ in range(cfg.warmup):
+            await send(client, target, specs[0], RequestRecord(-1, 0.0), cfg.request)
+        before = await scrape_metrics(client, target.url)
+        process = _server_process(target, cfg)
+        sampler = Sampler(process, cfg.sample_interval_s)
+        sampler.start()
+        t0 = time.perf_counter() + START_LEAD_S
+        if cfg.workers > 1:
+            records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, t0, cfg, on_done)
+        else:
+            records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
+        samples = await sampler.stop()
+        after = await scrape_metrics(client, target.url)
+    ends = [r.chunk_times[-1] for r in records if r.chunk_times] or [time.perf_counter()]
+    summary = summarize(records, max(ends) - t0, cfg.slos_ms or None)
+    summary.update(url=target.url, model=target.model, label=target.label, num_prompts=len(specs),
+                   request_rate="inf" if cfg.schedule is Schedule.burst else cfg.rate, burstiness=cfg.burstiness,
+                   max_concurrency=cfg.concurrency, schedule=cfg.schedule.value)
+    warnings = []
+    if summary["p99_send_lag_ms"] > LAG_WARNING_S * 1000:
+        warnings.append(f"client fell behind its schedule: p99 send lag {summary['p99_send_lag_ms']:.1f} ms "
+                        f"(> {LAG_WARNING_S * 1000:.0f} ms); results may be client-bound, try --workers")
+    return TargetResult(target, cfg, records, summary, samples, before, after, hardware(), warnings)
+
+
+def _server_process(target: Target, cfg: RunConfig):
+    port = cfg.server_port
+    if port is None and cfg.server_pid is None:
+        port = httpx.URL(target.url).port  # a local target: find who listens there
+        if httpx.URL(target.url).host not in ("127.0.0.1", "localhost", "::1"):
+            return None
+    try:
+        return find_server_process(cfg.server_pid, port)
+    except Exception:  # no permission to list sockets, or the process vanished: sample without it
+        return None
+
+
+async def _send_all(client: httpx.AsyncClient, target: Target, specs: list[RequestSpec], offsets: list[float],
+                    t0: float, cfg: RunConfig, on_done=None, indices: list[int] | None = None) -> list[RequestRecord]:
+    indices = indices if indices is not None else list(range(len(specs)))
+    gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+    deadline = t0 + cfg.duration_s if cfg.duration_s else None
+
+    async def one(i: int) -> RequestRecord | None:
+        due = t0 + offsets[i]
+        if deadline is not None and due > deadline:
+            return None  # past the run's duration: never sent
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        record = RequestRecord(i, due)
+        if gate is None:
+            await send(client, target, specs[i], record, cfg.request)
+        else:
+            waited = time.perf_counter()
+            async with gate:
+                record.queue_time = time.perf_counter() - waited
+                if deadline is not None and time.perf_counter() > deadline:
+                    return None
+                await send(client, target, specs[i], record, cfg.request)
+        if on_done is not None:
+            on_done(record)
+        return record
+
+    done = await asyncio.gather(*(one(i) for i in indices))
+    return [r for r in done if r is not None]
+
+
+# ------------------------------------------------------------------------------ worker processes
+def _run_in_processes(target, specs, offsets, t0, cfg: RunConfig, on_done) -> list[RequestRecord]:
+    ctx = mp.get_context("spawn")
+    progress = ctx.Queue()
+    shards = [list(range(w, len(specs), cfg.workers)) for w in range(cfg.workers)]
+    # A closed loop's concurrency is split across the workers.
+    per_worker = replace(cfg, concurrency=-(-cfg.concurrency // cfg.workers) if cfg.concurrency else None)
+    with ctx.Pool(cfg.workers) as pool:
+        pending = pool.starmap_async(_worker, [(target, specs, offsets, t0, per_worker, s, progress) for s in shards])
+        while not pending.ready():
+            try:
+                progress.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if on_done is not None:
+                on_done(None)
+        results = pending.get()
+    return sorted((r for shard in results for r in shard), key=lambda r: r.index)
+
+
+def _worker(target, specs, offsets, t0, cfg, indices, progress) -> list[RequestRecord]:
+    async def main():
+        async with new_client(cfg.concurrency or len(indices), cfg.request) as client:
+            return await _send_all(client, target, specs, offsets, t0, cfg, lambda r: progress.put(1), indices)
+
+    return asyncio.run(main())
+
+
+def result_to_json(result: TargetResult) -> dict:
+    return {"summary": result.summary, "hardware": result.hardware, "warnings": result.warnings,
+            "samples": [asdict(s) for s in result.samples], "metrics_before": result.metrics_before,
+            "metrics_after": result.metrics_after}

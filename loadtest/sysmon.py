@@ -1,0 +1,131 @@
+"""System sampling during a run: GPU memory/utilisation (NVML), a local server's CPU and RSS (psutil),
+and the target's Prometheus /metrics before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import psutil
+
+
+@dataclass
+class Sample:
+    t: float
+    cpu_percent: float | None = None  # of one core, summed over the process tree
+    rss_bytes: int | None = None
+    gpu_memory_used: list[int] = field(default_factory=list)  # bytes per device
+    gpu_util_percent: list[int] = field(default_factory=list)
+
+
+def hardware() -> dict:
+    """What the numbers were measured on: GPU names via NVML when present, else the CPU model."""
+    info = {"cpu": _cpu_model(), "cpu_count": psutil.cpu_count(), "gpus": []}
+    nvml = _nvml()
+    if nvml is not None:
+        info["gpus"] = [nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
+                        for i in range(nvml.nvmlDeviceGetCount())]
+    info["hardware"] = info["gpus"][0] if info["gpus"] else info["cpu"]
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvml():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # no library, no driver, or no GPU: sample CPU only
+        return None
+
+
+def find_server_process(pid: int | None = None, port: int | None = None) -> psutil.Process | None:
+    """The process listening on ``port`` (or with ``pid``), if it runs on this machine."""
+    if pid is not None:
+        return psutil.Process(pid)
+    if port is not None:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                return psutil.Process(conn.pid)
+    return None
+
+
+class Sampler:
+    """Samples every ``interval_s`` in the background until stopped."""
+
+    def __init__(self, process: psutil.Process | None, interval_s: float = 0.5) -> None:
+        self.process, self.interval_s = process, interval_s
+        self.samples: list[Sample] = []
+        self._nvml = _nvml()
+        self._task: asyncio.Task | None = None
+        self._t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        if self.process is not None:
+            self._cpu_percent()  # the first call primes psutil's counters
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> list[Sample]:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return self.samples
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.samples.append(self.sample())
+
+    def sample(self) -> Sample:
+        s = Sample(time.perf_counter() - self._t0)
+        if self.process is not None:
+            try:
+                s.cpu_percent = self._cpu_percent()
+                s.rss_bytes = sum(p.memory_info().rss for p in self._tree())
+            except psutil.Error:
+                self.process = None
+        if self._nvml is not None:
+            n = self._nvml
+            for i in range(n.nvmlDeviceGetCount()):
+                h = n.nvmlDeviceGetHandleByIndex(i)
+                s.gpu_memory_used.append(int(n.nvmlDeviceGetMemoryInfo(h).used))
+                s.gpu_util_percent.append(int(n.nvmlDeviceGetUtilizationRates(h).gpu))
+        return s
+
+    def _tree(self) -> list[psutil.Process]:
+        return [self.process, *self.process.children(recursive=True)]
+
+    def _cpu_percent(self) -> float:
+        return sum(p.cpu_percent(None) for p in self._tree())
+
+
+async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The target's Prometheus samples (name{labels} → value); empty when it has no /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(f"{url}/metrics", timeout=10)
+        if r.status_code != 200:
+            return {}
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+    except (httpx.HTTPError, ValueError):
+        return {}
