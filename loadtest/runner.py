@@ -130,29 +130,41 @@ async def _send_all(client: httpx.AsyncClient, target: Target, specs: list[Reque
 # ------------------------------------------------------------------------------ worker processes
 def _run_in_processes(target, specs, offsets, t0, cfg: RunConfig, on_done) -> list[RequestRecord]:
     ctx = mp.get_context("spawn")
-    progress = ctx.Queue()
-    shards = [list(range(w, len(specs), cfg.workers)) for w in range(cfg.workers)]
+    events = ctx.Queue()  # ("done", None) per finished request, then ("records", [...]) per worker
     # A closed loop's concurrency is split across the workers.
     per_worker = replace(cfg, concurrency=-(-cfg.concurrency // cfg.workers) if cfg.concurrency else None)
-    with ctx.Pool(cfg.workers) as pool:
-        pending = pool.starmap_async(_worker, [(target, specs, offsets, t0, per_worker, s, progress) for s in shards])
-        while not pending.ready():
-            try:
-                progress.get(timeout=0.2)
-            except queue.Empty:
-                continue
+    procs = [ctx.Process(target=_worker, args=(target, specs, offsets, t0, per_worker,
+                                                list(range(w, len(specs), cfg.workers)), events), daemon=True)
+             for w in range(cfg.workers)]
+    for p in procs:
+        p.start()
+    records: list[RequestRecord] = []
+    finished = 0
+    while finished < len(procs):
+        try:
+            kind, payload = events.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                raise RuntimeError("a load-test worker process died") from None
+            continue
+        if kind == "done":
             if on_done is not None:
                 on_done(None)
-        results = pending.get()
-    return sorted((r for shard in results for r in shard), key=lambda r: r.index)
+        else:
+            records.extend(payload)
+            finished += 1
+    for p in procs:
+        p.join()
+    return sorted(records, key=lambda r: r.index)
 
 
-def _worker(target, specs, offsets, t0, cfg, indices, progress) -> list[RequestRecord]:
+def _worker(target, specs, offsets, t0, cfg, indices, events) -> None:
     async def main():
         async with new_client(cfg.concurrency or len(indices), cfg.request) as client:
-            return await _send_all(client, target, specs, offsets, t0, cfg, lambda r: progress.put(1), indices)
+            return await _send_all(client, target, specs, offsets, t0, cfg, lambda r: events.put(("done", None)),
+                                   indices)
 
-    return asyncio.run(main())
+    events.put(("records", asyncio.run(main())))
 
 
 def result_to_json(result: TargetResult) -> dict:

@@ -1,0 +1,74 @@
+"""Arrival schedules and workloads: exact prompt lengths, shared prefixes, datasets, seeding."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loadtest.schedule import Schedule, arrival_offsets
+from loadtest.workload import from_file, synthetic
+
+
+def test_burst_sends_everything_at_zero():
+    assert arrival_offsets(Schedule.burst, 5) == [0.0] * 5
+
+
+def test_constant_rate_spacing():
+    assert arrival_offsets(Schedule.constant, 4, rate=2.0) == [0.0, 0.5, 1.0, 1.5]
+
+
+@pytest.mark.parametrize("schedule, burstiness", [(Schedule.poisson, 1.0), (Schedule.gamma, 0.5), (Schedule.gamma, 4.0)])
+def test_gamma_arrivals_have_the_asked_rate(schedule, burstiness):
+    offsets = arrival_offsets(schedule, 20000, rate=50.0, burstiness=burstiness, seed=1)
+    assert offsets[0] == 0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
+    gaps = np.diff(offsets)
+    assert 20000 / offsets[-1] == pytest.approx(50.0, rel=0.05)
+    # coefficient of variation of gamma gaps is 1/sqrt(shape): burstier means more spread
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1 / np.sqrt(burstiness), rel=0.1)
+    assert offsets == arrival_offsets(schedule, 20000, rate=50.0, burstiness=burstiness, seed=1)
+
+
+def test_rate_schedules_need_a_rate():
+    with pytest.raises(ValueError, match="rate"):
+        arrival_offsets(Schedule.poisson, 3)
+
+
+def test_synthetic_prompts_have_exact_token_counts(smollm2_tokenizer):
+    specs = synthetic(smollm2_tokenizer, 30, (5, 300), (4, 9), seed=3)
+    for s in specs:
+        assert len(smollm2_tokenizer.encode(s.prompt, add_special_tokens=False)) == s.prompt_tokens
+        assert 5 <= s.prompt_tokens <= 300 and 4 <= s.max_tokens <= 9
+    assert [s.prompt for s in specs] == [s.prompt for s in synthetic(smollm2_tokenizer, 30, (5, 300), (4, 9), seed=3)]
+
+
+def test_shared_prefix_workload(smollm2_tokenizer):
+    specs = synthetic(smollm2_tokenizer, 6, 100, 8, seed=0, prefix_len=64, num_prefixes=2)
+    assert all(len(smollm2_tokenizer.encode(s.prompt, add_special_tokens=False)) == 100 for s in specs)
+    heads = [smollm2_tokenizer.encode(s.prompt, add_special_tokens=False)[:48] for s in specs]
+    assert heads[0] == heads[2] == heads[4] and heads[1] == heads[3] and heads[0] != heads[1]
+
+
+def test_datasets_jsonl_sharegpt_alpaca(tmp_path, smollm2_tokenizer):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "hello there", "max_tokens": 7}\n{"prompt": "bye"}\n')
+    specs = from_file(jsonl, smollm2_tokenizer, None, None)
+    assert sorted((s.prompt, s.max_tokens) for s in specs) == [("bye", 128), ("hello there", 7)]
+
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "What is 2+2?"},
+                                                    {"from": "gpt", "value": "It is four."}]},
+                                 {"conversations": [{"from": "human", "value": "lonely"}]}]))
+    (spec,) = from_file(share, smollm2_tokenizer, None, None)
+    assert spec.prompt == "What is 2+2?" and spec.max_tokens == len(smollm2_tokenizer.encode("It is four."))
+
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Summarise", "input": "a text", "output": "short"}]))
+    (spec,) = from_file(alpaca, smollm2_tokenizer, None, 5)
+    assert spec.prompt == "Summarise\n\na text" and spec.max_tokens == 5
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"x": 1}]))
+    with pytest.raises(ValueError):
+        from_file(bad, smollm2_tokenizer, None, None)
