@@ -1,8 +1,13 @@
 """Paged attention over the flat batch: KV write, then attention for decodes and prefill chunks.
 
-The CPU path is plain PyTorch: decodes are batched (gather their blocks, pad, mask, one SDPA call);
-each prefill chunk attends to its cached prefix plus its own tokens with a bottom-right-aligned causal
-mask. On CUDA the decode part runs the Triton split-KV kernel in ``triton_attention.py``.
+KV caches are head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]`` per layer, so a gather of
+the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` already contiguous: one
+memcpy-like ``index_select`` per cache and no transpose copy (the gather dominated CPU decode).
+
+CPU decodes are batched: gather their blocks, pad to the longest, mask, and attend with the query heads
+of each KV group stacked (one K/V read serves the whole group). Plain matmuls beat SDPA here (SDPA with a
+mask is 10x slower in bf16 on CPU). Each prefill chunk attends to its cached prefix plus its own tokens
+with a bottom-right-aligned causal mask. On CUDA, decodes use the Triton kernel in ``triton_attention.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +20,16 @@ from backends.native.batch import AttentionMetadata
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Store this step's keys/values [T, Hkv, D] into the caches [Hkv, num_blocks, block_size, D]."""
+    h, _, _, d = k_cache.shape
+    k_cache.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_rows(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row ids into a cache viewed as [Hkv * num_blocks, block_size * D], ordered (sequence, head, block)."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device).view(1, num_kv_heads, 1) * num_blocks
+    return (heads + block_tables.view(block_tables.shape[0], 1, -1)).flatten()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -33,40 +45,46 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                               meta.decode_context_lens, scale)
         else:
-            out[:nd] = _decode_attention_torch(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = _decode_attention_cpu(q[:nd], k_cache, v_cache, meta, scale)
     for i in range(nd, len(meta.query_lens)):
         start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]
         rows = slice(start, start + qlen)
         if ctx == qlen:  # no cached prefix: the fresh keys are all there is
-            keys, values = k[rows], v[rows]
+            keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            keys = _gather(k_cache, meta.block_tables[i], ctx)
-            values = _gather(v_cache, meta.block_tables[i], ctx)
-        out[rows] = _prefill_attention(q[rows], keys, values, scale)
+            keys = _gather(k_cache, meta.block_tables[i])[0, :, :ctx]
+            values = _gather(v_cache, meta.block_tables[i])[0, :, :ctx]
+        out[rows] = _prefill_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    return cache[block_table].flatten(0, 1)[:length]
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, blocks * block_size, D] for block tables [B, blocks] (or one table [blocks])."""
+    h, nb, bs, d = cache.shape
+    tables = block_tables.view(-1, block_tables.shape[-1])
+    rows = gather_rows(tables, h, nb)
+    return cache.view(h * nb, bs * d).index_select(0, rows).view(tables.shape[0], h, -1, d)
 
 
-def _decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    tables = meta.decode_block_tables
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+def _decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    b, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    keys = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
+    values = _gather(v_cache, meta.decode_block_tables)
+    grouped = q.view(b, hkv, hq // hkv, d)  # query heads of one KV head, side by side
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).view(b, hq, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of ``q`` [Q, Hq, D] over ``k``/``v`` [C, Hkv, D] where the queries are the last Q."""
-    qlen, ctx = q.shape[0], k.shape[0]
+    """Causal attention of ``q`` [Hq, Q, D] over ``k``/``v`` [Hkv, C, D] where the queries are the last Q."""
+    qlen, ctx = q.shape[1], k.shape[1]
     mask = None
     if ctx != qlen:
         # SDPA's is_causal aligns top-left; with a cached prefix the queries sit at the bottom-right.
         mask = torch.ones(qlen, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - qlen)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=True)

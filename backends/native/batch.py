@@ -41,8 +41,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64
     block_size: int
+    num_blocks: int
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor  # [num_decodes] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     query_starts: list[int]  # flat start of each sequence's queries
@@ -52,7 +53,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [num_sampled] flat rows whose hidden state feeds the LM head
 
     @classmethod
-    def build(cls, batch: Batch, block_size: int, device: torch.device) -> AttentionMetadata:
+    def build(cls, batch: Batch, block_size: int, num_blocks: int, device: torch.device) -> AttentionMetadata:
         nd = batch.num_decodes
         starts, acc = [], 0
         for q in batch.query_lens:
@@ -75,6 +76,7 @@ class AttentionMetadata:
         return cls(
             slot_mapping=i64(batch.slot_mapping),
             block_size=block_size,
+            num_blocks=num_blocks,
             num_decodes=nd,
             decode_block_tables=i64(padded).reshape(nd, max_blocks),
             decode_context_lens=decode_ctx,

@@ -48,7 +48,8 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_blocks = num_blocks
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(cfg.num_layers)]
@@ -63,7 +64,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
-        meta = AttentionMetadata.build(batch, self.block_size, self.device)
+        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta)

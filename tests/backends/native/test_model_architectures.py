@@ -96,9 +96,9 @@ def test_12b_head_layout_runs_forward_in_bf16():
         for p in model.parameters():
             p.normal_(0, 0.02)
     bs = 16
-    kv = [(torch.zeros(4, bs, 8, 128, dtype=torch.bfloat16), torch.zeros(4, bs, 8, 128, dtype=torch.bfloat16))
+    kv = [(torch.zeros(8, 4, bs, 128, dtype=torch.bfloat16), torch.zeros(8, 4, bs, 128, dtype=torch.bfloat16))
           for _ in range(2)]
     batch = Batch(list(range(20)), list(range(20)), list(range(20)), [20], [20], [[0, 1]], [True])
     with torch.inference_mode():
-        logits = model(torch.arange(20), torch.arange(20), kv, AttentionMetadata.build(batch, bs, torch.device("cpu")))
+        logits = model(torch.arange(20), torch.arange(20), kv, AttentionMetadata.build(batch, bs, 4, torch.device("cpu")))
     assert logits.shape == (1, 1024) and torch.isfinite(logits).all()
