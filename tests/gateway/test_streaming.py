@@ -81,3 +81,39 @@ def test_non_streaming_disconnect_aborts_the_request(gateway_url, engine_idle, n
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_backend_failure_mid_stream_is_an_sse_error_then_done(start_gateway):
+    """A backend that dies after the first token: the client gets an SSE error event and [DONE]."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from backends.openai_http import OpenAIHTTPBackend
+    from gateway.app import create_app
+    from gateway.config import DeploymentConfig, Settings
+    from gateway.routing import Deployment, ModelGroup
+    from gateway.service import Gateway
+    from tests.servers import serve_app
+
+    async def dying(request):
+        async def body():
+            yield b'data: {"choices":[{"index":0,"text":"partial","finish_reason":null}]}\n\n'
+            yield b'data: {"error":{"message":"engine crashed"}}\n\n'
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "m"}]})
+
+    upstream = Starlette(routes=[Route("/v1/completions", dying, methods=["POST"]), Route("/v1/models", models)])
+    with serve_app(upstream) as up:
+        backend = OpenAIHTTPBackend("m", DeploymentConfig(kind="openai", url=f"{up}/v1"))
+        gateway = Gateway(Settings(), [ModelGroup("m", [Deployment("dying", backend)])])
+        with serve_app(create_app(gateway)) as url:
+            with httpx.stream("POST", f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+                assert r.status_code == 200
+                events = _events(r.read().decode())
+    assert json.loads(events[0])["choices"][0]["text"] == "partial"
+    error = json.loads(events[1])["error"]
+    assert "engine crashed" in error["message"] and error["type"] == "upstream_error"
+    assert events[2:] == ["[DONE]"]

@@ -1,0 +1,111 @@
+"""What a gateway adds: the same instant OpenAI-compatible backend called directly, through burstgate,
+and (when installed) through LiteLLM's proxy, in one run.
+
+Each server runs in its own process on 127.0.0.1; the client sends N non-streamed completions at a
+fixed concurrency, then one at a time, and prints req/s, p50/p99 latency and the ratios.
+
+    python benchmarks/gateway_overhead.py --requests 2000 --concurrency 32
+    # LiteLLM (kept out of the project's dependencies): make peers-litellm, then pass --litellm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PEERS, free_port, wait_ready  # noqa: E402
+
+BIN = Path(sys.executable).parent
+LITELLM_BIN = PEERS / "litellm" / "bin" / "litellm"
+
+
+def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    wait_ready(url, 180, proc)
+    return proc
+
+
+async def load(url: str, model: str, n: int, concurrency: int, headers: dict) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    gate = asyncio.Semaphore(concurrency)
+    body = {"model": model, "prompt": "hello world", "max_tokens": 16}
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+        async def one():
+            async with gate:
+                t = time.perf_counter()
+                r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+                r.raise_for_status()
+                latencies.append(time.perf_counter() - t)
+        for _ in range(min(20, n)):  # warm connections and code paths
+            await one()
+        latencies.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return time.perf_counter() - t0, latencies
+
+
+def measure(name: str, url: str, model: str, args, headers: dict | None = None) -> dict:
+    headers = headers or {}
+    elapsed, lat = asyncio.run(load(url, model, args.requests, args.concurrency, headers))
+    _, lat1 = asyncio.run(load(url, model, args.serial_requests, 1, headers))
+    q = statistics.quantiles(lat, n=100)
+    row = {"name": name, "rps": args.requests / elapsed, "p50_ms": q[49] * 1000, "p99_ms": q[98] * 1000,
+           "serial_p50_ms": statistics.median(lat1) * 1000}
+    print(f"{name:10s} c={args.concurrency}: {row['rps']:8.1f} req/s  p50 {row['p50_ms']:6.2f} ms  p99 "
+          f"{row['p99_ms']:6.2f} ms | c=1: p50 {row['serial_p50_ms']:6.2f} ms")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--serial-requests", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--litellm", action="store_true", help=f"also measure LiteLLM's proxy ({LITELLM_BIN})")
+    args = ap.parse_args()
+    procs = []
+    try:
+        mock_port, gw_port = free_port(), free_port()
+        mock = f"http://127.0.0.1:{mock_port}"
+        procs.append(start([str(BIN / "burstgate"), "loadtest", "mock-server", "--port", str(mock_port),
+                            "--model", "mock"], mock))
+        cfg = Path(tempfile.mkdtemp()) / "gateway.yaml"
+        cfg.write_text(f"models:\n  - name: mock\n    deployments:\n      - kind: openai\n        url: {mock}/v1\n")
+        gw = f"http://127.0.0.1:{gw_port}"
+        procs.append(start([str(BIN / "burstgate"), "serve", "--config", str(cfg), "--port", str(gw_port),
+                            "--log-level", "warning"], gw))
+        rows = [measure("direct", mock, "mock", args), measure("burstgate", gw, "mock", args)]
+        if args.litellm:
+            lt_port = free_port()
+            lt = f"http://127.0.0.1:{lt_port}"
+            lcfg = cfg.parent / "litellm.yaml"
+            lcfg.write_text(f"model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
+                            f"      api_base: {mock}/v1\n      api_key: none\n")
+            procs.append(start([str(LITELLM_BIN), "--config", str(lcfg), "--port", str(lt_port), "--host", "127.0.0.1"],
+                               lt, {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
+            rows.append(measure("litellm", lt, "mock", args, {"Authorization": "Bearer sk-bench"}))
+        direct, ours = rows[0], rows[1]
+        print(f"\nburstgate adds {ours['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50 one at a time "
+              f"(goal <= 1 ms); keeps {ours['rps'] / direct['rps']:.0%} of direct req/s at c={args.concurrency}")
+        if args.litellm:
+            lite = rows[2]
+            print(f"burstgate / LiteLLM req/s = {ours['rps'] / lite['rps']:.2f}x (goal >= 4x); LiteLLM adds "
+                  f"{lite['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
