@@ -15,9 +15,21 @@ from typing import Any
 
 import httpx
 
-from backends.base import (Backend, BackendError, BackendInfo, BackendTimeoutError, GenerationChunk,
-                           GenerationRequest, InvalidRequestError, OverloadedError, SamplingParams, TokenLogprob,
-                           UnavailableError, UpstreamError, Usage)
+from backends.base import (
+    Backend,
+    BackendError,
+    BackendInfo,
+    BackendTimeoutError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    OverloadedError,
+    SamplingParams,
+    TokenLogprob,
+    UnavailableError,
+    UpstreamError,
+    Usage,
+)
 
 
 class OpenAIHTTPBackend(Backend):

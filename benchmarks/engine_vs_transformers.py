@@ -19,12 +19,14 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends.base import SamplingParams
 from backends.native.engine import EngineConfig, LLMEngine
 from backends.native.weights import default_model_path
@@ -72,10 +74,14 @@ def run_native(w: Workload, dtype: str, tokenizer) -> tuple[float, float]:
     return elapsed, engine.model_config.num_parameters()
 
 
-def hf_model(path: Path, dtype: torch.dtype):
+def hf_model(dtype: torch.dtype):
+    """transformers on plain (dequantised) weights: loading the GGUF directly keeps them packed and
+    runs transformers' quantised kernels, which would make the baseline slower than it needs to be."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    from peers import export_hf_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(export_hf_dir()), dtype=dtype).eval()
 
 
 @torch.inference_mode()
@@ -104,12 +110,12 @@ def run_hf_sequential(model, w: Workload, pad_id: int, subset: int) -> tuple[flo
     return time.perf_counter() - start, tokens
 
 
-def run_deepspeed(path: Path, w: Workload, dtype: torch.dtype, pad_id: int) -> float | None:
+def run_deepspeed(w: Workload, dtype: torch.dtype, pad_id: int) -> float | None:
     try:
         import deepspeed
     except ImportError:
         return None
-    model = deepspeed.init_inference(hf_model(path, dtype), replace_with_kernel_inject=False, dtype=dtype)
+    model = deepspeed.init_inference(hf_model(dtype), replace_with_kernel_inject=False, dtype=dtype)
     return run_hf_static(model.module, w, pad_id)
 
 
@@ -123,7 +129,8 @@ def run_openai_server(url: str, model: str, w: Workload) -> float:
                 r = await client.post(f"{url}/completions", json={"model": model, "prompt": p, "max_tokens": o,
                                                                   "temperature": 0, "ignore_eos": True})
                 r.raise_for_status()
-                assert r.json()["usage"]["completion_tokens"] == o
+                assert r.json()["usage"]["completion_tokens"] == o, r.json()["usage"]
+            await asyncio.gather(*(one(p[:32], 4) for p in w.prompts[:8]))  # warm-up: first requests JIT kernels
             start = time.perf_counter()
             await asyncio.gather(*(one(p, o) for p, o in zip(w.prompts, w.outputs)))
             return time.perf_counter() - start
@@ -142,6 +149,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-url", help="base URL (…/v1) of a vLLM server serving the same model")
     ap.add_argument("--vllm-model", default="smollm2")
+    ap.add_argument("--vllm-dtype", default="float32", help="the dtype the vLLM server was started with (label)")
     ap.add_argument("--out", type=Path, default=Path("results/engine_vs_transformers.json"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -167,7 +175,7 @@ def main() -> None:
         print(f"[{dtype_name}] model FLOP/s {flops / 1e9:.1f} G = {flops / peak:.0%} of measured matmul peak "
               f"({peak / 1e9:.1f} GFLOP/s)")
         if not args.skip_hf:
-            model = hf_model(path, dtype)
+            model = hf_model(dtype)
             t_static = run_hf_static(model, w, pad)
             t_seq, seq_tokens = run_hf_sequential(model, w, pad, args.sequential_subset)
             static_tps, seq_tps = w.useful_output_tokens / t_static, seq_tokens / t_seq
@@ -178,7 +186,7 @@ def main() -> None:
                   f"requests, {t_seq:.1f} s, scaled)")
             print(f"[{dtype_name}] native / best transformers = {native_tps / best:.2f}x   (goal >= 3x)")
             del model
-            t_ds = run_deepspeed(path, w, dtype, pad)
+            t_ds = run_deepspeed(w, dtype, pad)
             if t_ds is not None:
                 ds_tps = w.useful_output_tokens / t_ds
                 row.update(deepspeed_tok_s=ds_tps, ratio_vs_deepspeed=native_tps / ds_tps)
@@ -188,7 +196,7 @@ def main() -> None:
             t_vllm = run_openai_server(args.vllm_url, args.vllm_model, w)
             vllm_tps = w.useful_output_tokens / t_vllm
             row.update(vllm_tok_s=vllm_tps, ratio_vs_vllm=native_tps / vllm_tps)
-            print(f"[{dtype_name}] vLLM ({args.vllm_url}): {vllm_tps:8.1f} tok/s; native / vLLM = "
+            print(f"[{dtype_name}] vLLM ({args.vllm_dtype} server): {vllm_tps:8.1f} tok/s; native / vLLM = "
                   f"{native_tps / vllm_tps:.2f}x   (goal >= 1.0x)")
         results[dtype_name] = row
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.base import (BackendError, BackendTimeoutError, InvalidRequestError, OverloadedError,
-                           UnavailableError, UpstreamError)
+from backends.base import (
+    BackendError,
+    BackendTimeoutError,
+    InvalidRequestError,
+    OverloadedError,
+    UnavailableError,
+    UpstreamError,
+)
 
 log = logging.getLogger(__name__)
 

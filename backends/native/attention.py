@@ -4,10 +4,10 @@ KV caches are head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]`` p
 the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` already contiguous: one
 memcpy-like ``index_select`` per cache and no transpose copy (the gather dominated CPU decode).
 
-CPU decodes are batched in groups of similar context length: gather their blocks, pad to the group's
+Decodes are batched in groups of similar context length: gather their blocks, pad to the group's
 longest, mask, and attend with the query heads of each KV group stacked (one K/V read serves the group). Plain matmuls beat SDPA here (SDPA with a
 mask is 10x slower in bf16 on CPU). Each prefill chunk attends to its cached prefix plus its own tokens
-with a bottom-right-aligned causal mask. On CUDA, decodes use the Triton kernel in ``triton_attention.py``.
+with a bottom-right-aligned causal mask. The same code runs on any torch device.
 """
 
 from __future__ import annotations
@@ -39,13 +39,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        if q.is_cuda:
-            from backends.native.triton_attention import paged_decode_attention
-
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_context_lens, scale)
-        else:
-            out[:nd] = _decode_attention_cpu(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for i in range(nd, len(meta.query_lens)):
         start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]
         rows = slice(start, start + qlen)
@@ -70,7 +64,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor |
     return out
 
 
-def _decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     b, hq, d = q.shape
     hkv = k_cache.shape[0]

@@ -8,8 +8,17 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from backends.base import (Backend, BackendInfo, EngineStats, GenerationChunk, GenerationRequest,
-                           InvalidRequestError, TokenLogprob, UnavailableError, Usage)
+from backends.base import (
+    Backend,
+    BackendInfo,
+    EngineStats,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    TokenLogprob,
+    UnavailableError,
+    Usage,
+)
 from backends.native.async_engine import AsyncEngine
 from backends.native.engine import EngineConfig, LLMEngine, RequestOutput
 

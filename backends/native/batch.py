@@ -1,7 +1,7 @@
 """The flat batch description: the only thing the scheduler hands to the model runner.
 
 The scheduler side fills a ``Batch`` with plain Python lists; ``AttentionMetadata.build`` turns it into
-tensors once per step, and both attention paths (CPU torch, CUDA Triton) read the same metadata.
+tensors once per step, and the attention code reads only that metadata.
 Sequences with a single query token ("decodes") always come first, longest context first.
 """
 
@@ -38,7 +38,7 @@ class Batch:
 
 @dataclass
 class DecodeGroup:
-    """Decodes ``start:end`` of similar context length, padded to the longest of them (CPU path)."""
+    """Decodes ``start:end`` of similar context length, padded to the longest of them."""
 
     start: int
     end: int
@@ -75,9 +75,7 @@ class AttentionMetadata:
     block_size: int
     num_blocks: int
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
-    decode_context_lens: torch.Tensor  # [num_decodes] int64
-    decode_groups: list[DecodeGroup]  # CPU only: decodes bucketed by context length
+    decode_groups: list[DecodeGroup]  # decodes bucketed by context length
     query_starts: list[int]  # flat start of each sequence's queries
     query_lens: list[int]
     context_lens: list[int]
@@ -99,16 +97,13 @@ class AttentionMetadata:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
         tables, ctx = batch.block_tables[:nd], batch.context_lens[:nd]
-        groups = [] if device.type == "cuda" else [
-            DecodeGroup(a, b, i64(_pad(tables[a:b])), _mask(ctx[a:b], len(tables[a]) * block_size, device))
-            for a, b in _similar_runs([len(t) for t in tables])]
+        groups = [DecodeGroup(a, b, i64(_pad(tables[a:b])), _mask(ctx[a:b], len(tables[a]) * block_size, device))
+                  for a, b in _similar_runs([len(t) for t in tables])]
         return cls(
             slot_mapping=i64(batch.slot_mapping),
             block_size=block_size,
             num_blocks=num_blocks,
             num_decodes=nd,
-            decode_block_tables=i64(_pad(tables)).reshape(nd, max(map(len, tables), default=0)),
-            decode_context_lens=i64(ctx),
             decode_groups=groups,
             query_starts=starts,
             query_lens=list(batch.query_lens),

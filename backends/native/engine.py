@@ -13,7 +13,7 @@ from backends.native.kv_cache import BlockManager
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block, resolve_dtype
 from backends.native.sampler import Sampled, sample
 from backends.native.scheduler import Scheduler, SchedulerConfig
-from backends.native.sequence import Sequence, Status
+from backends.native.sequence import Sequence
 from backends.native.tokenizer import IncrementalDetokenizer, Tokenizer
 from backends.native.weights import default_model_path, open_checkpoint
 

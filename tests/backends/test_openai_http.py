@@ -16,8 +16,15 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.base import (BackendTimeoutError, GenerationRequest, InvalidRequestError, OverloadedError,
-                           SamplingParams, UnavailableError, UpstreamError)
+from backends.base import (
+    BackendTimeoutError,
+    GenerationRequest,
+    InvalidRequestError,
+    OverloadedError,
+    SamplingParams,
+    UnavailableError,
+    UpstreamError,
+)
 from backends.openai_http import OpenAIHTTPBackend
 from gateway.config import DeploymentConfig
 from loadtest.mock_server import create_mock_app

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from backends.base import SamplingParams
+from backends.native.batch import AttentionMetadata, Batch
+from backends.native.config import ModelConfig
 from backends.native.engine import EngineConfig, LLMEngine
 from backends.native.model_runner import build_model
-from backends.native.config import ModelConfig
-from backends.native.batch import AttentionMetadata, Batch
 from tests.backends.native.reference import hf_greedy
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
