@@ -77,9 +77,8 @@ def run_native(w: Workload, dtype: str, tokenizer) -> tuple[float, float]:
 def hf_model(dtype: torch.dtype):
     """transformers on plain (dequantised) weights: loading the GGUF directly keeps them packed and
     runs transformers' quantised kernels, which would make the baseline slower than it needs to be."""
-    from transformers import AutoModelForCausalLM
-
     from peers import export_hf_dir
+    from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(export_hf_dir()), dtype=dtype).eval()
 
