@@ -133,6 +133,7 @@ class GenerationRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
+    stream: bool = True  # a hint: the client wants chunks as they come (remote backends may fetch whole)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -1,8 +1,9 @@
 """Any OpenAI-compatible server: vLLM, SGLang, LightLLM's and MII's OpenAI servers, llama.cpp, burstgate.
 
 Chat requests go to ``/chat/completions`` with the messages unchanged (the server owns the template);
-prompts go to ``/completions``. Upstream is always streamed (with ``include_usage``) and relayed chunk
-by chunk; closing our iterator closes the HTTP response, which vLLM and burstgate turn into an abort.
+prompts go to ``/completions``. Streamed requests are streamed upstream (with ``include_usage``) and
+relayed chunk by chunk; closing our iterator closes the HTTP response, which vLLM and burstgate turn
+into an abort. Non-streamed requests are fetched whole (one JSON instead of an SSE event per token).
 vLLM's extra sampling fields are sent only when they differ from the defaults, so strict servers
 never see them.
 """
@@ -51,12 +52,16 @@ class OpenAIHTTPBackend(Backend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         chat = request.messages is not None
         body = self._body(request, chat)
+        path = "/chat/completions" if chat else "/completions"
         try:
-            async with self._client.stream("POST", "/chat/completions" if chat else "/completions", json=body) as r:
+            async with self._client.stream("POST", path, json=body) as r:
                 if r.status_code != 200:
                     raise _status_error(r.status_code, await r.aread())
-                async for chunk in _parse_sse(r, chat):
-                    yield chunk
+                if request.stream:
+                    async for chunk in _parse_sse(r, chat):
+                        yield chunk
+                else:
+                    yield _whole(await r.aread(), chat)
         except httpx.TimeoutException as exc:
             raise BackendTimeoutError(f"{self.name} timed out: {type(exc).__name__}") from exc
         except httpx.TransportError as exc:
@@ -103,8 +108,9 @@ class OpenAIHTTPBackend(Backend):
 
     # ------------------------------------------------------------------------------------ helpers
     def _body(self, request: GenerationRequest, chat: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.upstream_model, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {"model": self.upstream_model, "stream": request.stream}
+        if request.stream:
+            body["stream_options"] = {"include_usage": True}
         if chat:
             body["messages"] = request.messages
         else:
@@ -184,6 +190,21 @@ async def _parse_sse(response: httpx.Response, chat: bool) -> AsyncIterator[Gene
         yield pending
     if not finished:
         raise UpstreamError("upstream stream ended without a finish reason")
+
+
+def _whole(content: bytes, chat: bool) -> GenerationChunk:
+    """A non-streamed reply as one final chunk."""
+    try:
+        reply = json.loads(content)
+        choice = reply["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UpstreamError(f"malformed reply from upstream: {content[:200]!r}") from exc
+    text = (choice.get("message") or {}).get("content") or "" if chat else choice.get("text") or ""
+    chunk = _chunk({**choice, "delta": {"content": text}, "text": text}, chat)
+    if chunk.finish_reason is None:
+        raise UpstreamError("upstream reply has no finish_reason")
+    chunk.usage = _usage(reply.get("usage"))
+    return chunk
 
 
 def _chunk(choice: dict, chat: bool) -> GenerationChunk:

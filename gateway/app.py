@@ -68,13 +68,14 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
         gen = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", body.model, params,
-                                messages=body.template_messages())
+                                messages=body.template_messages(), stream=body.stream)
         return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=True))
 
     @app.post("/v1/completions", tags=["openai"])
     async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
-        gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt())
+        gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt(),
+                                stream=body.stream)
         return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=False))
 
     async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest,

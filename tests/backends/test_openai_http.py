@@ -57,12 +57,14 @@ def upstream(upstream_gateway):
     return upstream_gateway[0]
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-def test_relays_the_same_answer_as_the_engine_itself(upstream_gateway, kind):
+def test_relays_the_same_answer_as_the_engine_itself(upstream_gateway, kind, stream):
     upstream, gateway = upstream_gateway
     kw = dict(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     req = (_req(messages=[{"role": "user", "content": "Name three fruits."}], **kw) if kind == "chat"
            else _req(prompt="The three primary colours are", **kw))
+    req.stream = stream
 
     async def main():
         adapter = _adapter(f"{upstream}/v1")
