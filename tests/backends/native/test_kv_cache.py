@@ -87,7 +87,7 @@ events = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abo
                             st.integers(0, 5), st.integers(1, 40)), max_size=60)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, derandomize=True)  # reproducible in CI
 @given(events=events, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.integers(1, 64), prefix_caching=st.booleans())
 def test_scheduler_never_leaks_or_double_owns_blocks(events, num_blocks, block_size, budget, prefix_caching):
