@@ -29,9 +29,9 @@ BIN = Path(sys.executable).parent
 LITELLM_BIN = PEERS / "litellm" / "bin" / "litellm"
 
 
-def start(cmd: list[str], url: str, env: dict | None = None) -> subprocess.Popen:
+def start(cmd: list[str], url: str, env: dict | None = None, headers: dict | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    wait_ready(url, 180, proc)
+    wait_ready(url, 180, proc, headers)
     return proc
 
 
@@ -92,7 +92,8 @@ def main() -> None:
             lcfg.write_text(f"model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
                             f"      api_base: {mock}/v1\n      api_key: none\n")
             procs.append(start([str(LITELLM_BIN), "--config", str(lcfg), "--port", str(lt_port), "--host", "127.0.0.1"],
-                               lt, {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
+                               lt, {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                               {"Authorization": "Bearer sk-bench"}))
             rows.append(measure("litellm", lt, "mock", args, {"Authorization": "Bearer sk-bench"}))
         direct, ours = rows[0], rows[1]
         print(f"\nburstgate adds {ours['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50 one at a time "

@@ -53,13 +53,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None = None,
+               headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/v1/models", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
