@@ -67,10 +67,10 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         process = _server_process(target, cfg)
         sampler = Sampler(process, cfg.sample_interval_s)
         sampler.start()
-        t0 = time.perf_counter() + START_LEAD_S
         if cfg.workers > 1:
-            records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, t0, cfg, on_done)
+            t0, records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, cfg, on_done)
         else:
+            t0 = time.perf_counter() + START_LEAD_S
             records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
         samples = await sampler.stop()
         after = await scrape_metrics(client, target.url)
@@ -128,18 +128,21 @@ async def _send_all(client: httpx.AsyncClient, target: Target, specs: list[Reque
 
 
 # ------------------------------------------------------------------------------ worker processes
-def _run_in_processes(target, specs, offsets, t0, cfg: RunConfig, on_done) -> list[RequestRecord]:
+def _run_in_processes(target, specs, offsets, cfg: RunConfig, on_done) -> tuple[float, list[RequestRecord]]:
+    """Deal the requests to worker processes; the clock starts once every worker is ready to send
+    (spawning and importing takes seconds, which must not count as send lag)."""
     ctx = mp.get_context("spawn")
-    events = ctx.Queue()  # ("done", None) per finished request, then ("records", [...]) per worker
+    events = ctx.Queue()  # ("ready"|"done"|"records", payload) from the workers
+    start_at, go = ctx.Value("d", 0.0), ctx.Event()
     # A closed loop's concurrency is split across the workers.
     per_worker = replace(cfg, concurrency=-(-cfg.concurrency // cfg.workers) if cfg.concurrency else None)
-    procs = [ctx.Process(target=_worker, args=(target, specs, offsets, t0, per_worker,
-                                                list(range(w, len(specs), cfg.workers)), events), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(target, specs, offsets, per_worker, list(range(w, len(specs), cfg.workers)),
+                                                events, start_at, go), daemon=True)
              for w in range(cfg.workers)]
     for p in procs:
         p.start()
     records: list[RequestRecord] = []
-    finished = 0
+    ready = finished = 0
     while finished < len(procs):
         try:
             kind, payload = events.get(timeout=1.0)
@@ -147,7 +150,12 @@ def _run_in_processes(target, specs, offsets, t0, cfg: RunConfig, on_done) -> li
             if not any(p.is_alive() for p in procs):
                 raise RuntimeError("a load-test worker process died") from None
             continue
-        if kind == "done":
+        if kind == "ready":
+            ready += 1
+            if ready == len(procs):
+                start_at.value = time.perf_counter() + START_LEAD_S
+                go.set()
+        elif kind == "done":
             if on_done is not None:
                 on_done(None)
         else:
@@ -155,14 +163,16 @@ def _run_in_processes(target, specs, offsets, t0, cfg: RunConfig, on_done) -> li
             finished += 1
     for p in procs:
         p.join()
-    return sorted(records, key=lambda r: r.index)
+    return start_at.value, sorted(records, key=lambda r: r.index)
 
 
-def _worker(target, specs, offsets, t0, cfg, indices, events) -> None:
+def _worker(target, specs, offsets, cfg, indices, events, start_at, go) -> None:
     async def main():
         async with new_client(cfg.concurrency or len(indices), cfg.request) as client:
-            return await _send_all(client, target, specs, offsets, t0, cfg, lambda r: events.put(("done", None)),
-                                   indices)
+            events.put(("ready", None))
+            await asyncio.to_thread(go.wait)
+            return await _send_all(client, target, specs, offsets, start_at.value, cfg,
+                                   lambda r: events.put(("done", None)), indices)
 
     events.put(("records", asyncio.run(main())))
 
