@@ -81,7 +81,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest,
                      caller: Caller, writer: ResponseWriter):
         group = gateway.group(body.model)
-        await gateway.rate_limiter.admit(caller.name, caller.limits)
+        await gateway.admit(caller)
         stream = gateway.generate(group, gen, caller)
         if not body.stream:
             return await _until_disconnect(request, _fold(stream, writer))

@@ -40,7 +40,7 @@ class GatewayMetrics:
         self.backend_healthy = Gauge("burstgate:backend_healthy", "1 when the backend passed its last check.",
                                      ("backend",), registry=r)
         self.rate_limited = Counter("burstgate:rate_limited_requests", "Requests refused by a key's limit.",
-                                    ("key", "limit"), registry=r)
+                                    ("key",), registry=r)
 
     def watch_engines(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         """Export the live figures of in-process engines; ``engines`` yields (model, backend, stats)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from backends.base import Backend, BackendError, GenerationChunk, GenerationRequest
 from gateway.config import Settings
 from gateway.deployments import build_backend
-from gateway.errors import model_not_found
+from gateway.errors import GatewayError, model_not_found
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Deployment, HealthChecker, ModelGroup
@@ -86,6 +86,14 @@ class Gateway:
                     yield group.name, d.name, stats
 
     # ---------------------------------------------------------------------------------- serving
+    async def admit(self, caller: Caller) -> None:
+        """Count the request against the caller's limits; a spent limit raises a 429."""
+        try:
+            await self.rate_limiter.admit(caller.name, caller.limits)
+        except GatewayError:
+            self.metrics.rate_limited.labels(caller.name).inc()
+            raise
+
     def group(self, model: str) -> ModelGroup:
         group = self.groups.get(model)
         if group is None:

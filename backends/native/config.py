@@ -37,10 +37,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once): for FLOP and bandwidth estimates."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim

@@ -62,6 +62,8 @@ def test_requests_per_minute_limit_is_429_with_retry_after(start_gateway):
         with pytest.raises(openai.RateLimitError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="sk-t", max_retries=0).completions.create(
                 model=MODEL, prompt="x", max_tokens=1)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'burstgate:rate_limited_requests_total{key="tiny"} 3.0' in metrics
 
 
 def test_tokens_per_minute_limit(start_gateway):
