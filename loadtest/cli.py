@@ -113,7 +113,10 @@ def run(
         requests, input_len, schedule = 1000, "512", Schedule.burst
     elif preset is not None:
         raise typer.BadParameter("the only preset is 'paper'", param_hint="--preset")
-    specs, workload = _workload(dataset, tokenizer, requests, input_len, output_len, prefix_len, num_prefixes, seed)
+    try:
+        specs, workload = _workload(dataset, tokenizer, requests, input_len, output_len, prefix_len, num_prefixes, seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--dataset / --input-len / --prefix-len") from None
     base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency,
                      duration_s=duration, warmup=warmup, seed=seed, slos_ms=_parse_slos(goodput), workers=workers,
                      server_pid=server_pid, request=RequestOptions(endpoint, temperature, ignore_eos, timeout))

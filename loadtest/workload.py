@@ -34,10 +34,11 @@ def load_tokenizer(name_or_path: str | None) -> TokenizerLike:
     return Tokenizer(Path(name_or_path) if name_or_path else default_model_path())
 
 
-def exact_length_prompt(tokenizer: TokenizerLike, length: int, rng: random.Random, vocab: list[int]) -> str:
-    """Text that ``tokenizer`` encodes (without special tokens) to exactly ``length`` tokens."""
-    ids = [rng.choice(vocab) for _ in range(length)]
-    text = tokenizer.decode(ids)
+def exact_length_prompt(tokenizer: TokenizerLike, length: int, rng: random.Random, vocab: list[int],
+                        start: str = "") -> str:
+    """Text that ``tokenizer`` encodes (without special tokens) to exactly ``length`` tokens: ``start``
+    trimmed or extended with random tokens, or random tokens altogether."""
+    text = start or tokenizer.decode([rng.choice(vocab) for _ in range(length)])
     for _ in range(20):
         got = tokenizer.encode(text, add_special_tokens=False)
         if len(got) == length:
@@ -76,19 +77,9 @@ def synthetic(tokenizer: TokenizerLike, n: int, input_len: int | tuple[int, int]
         text = prefix + exact_length_prompt(tokenizer, total - prefix_len, rng, vocab)
         # Joining can merge tokens at the seam; fix the total by re-trimming the whole prompt.
         if len(tokenizer.encode(text, add_special_tokens=False)) != total:
-            text = exact_length_prompt_from(tokenizer, text, total, rng, vocab)
+            text = exact_length_prompt(tokenizer, total, rng, vocab, start=text)
         specs.append(RequestSpec(text, total, _draw(output_len, rng)))
     return specs
-
-
-def exact_length_prompt_from(tokenizer, text: str, length: int, rng: random.Random, vocab: list[int]) -> str:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    ids = ids[:length] + [rng.choice(vocab) for _ in range(max(0, length - len(ids)))]
-    out = tokenizer.decode(ids)
-    got = tokenizer.encode(out, add_special_tokens=False)
-    if len(got) != length:
-        return exact_length_prompt(tokenizer, length, rng, vocab)
-    return out
 
 
 def _draw(value: int | tuple[int, int], rng: random.Random) -> int:
@@ -106,25 +97,33 @@ def from_file(path: Path, tokenizer: TokenizerLike | None, n: int | None, output
     """Prompts from JSONL (``{"prompt": ..., "max_tokens"?: ...}`` per line), ShareGPT JSON
     (``conversations`` with ``from``/``value``: first human turn, reply length from the gpt turn) or
     Alpaca JSON (``instruction``/``input``/``output``). Shuffled with ``seed``, first ``n`` kept."""
-    text = path.read_text()
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        pairs = [(r["prompt"], r.get("max_tokens")) for r in rows]
-    else:
-        data = json.loads(text)
-        if not isinstance(data, list) or not data:
-            raise ValueError(f"{path}: expected a non-empty JSON list")
-        if "conversations" in data[0]:
-            pairs = [_sharegpt_pair(r, tokenizer) for r in data if len(r.get("conversations", [])) >= 2]
-        elif "instruction" in data[0]:
-            pairs = [(_alpaca_prompt(r), _count(tokenizer, r.get("output", ""))) for r in data]
-        else:
-            raise ValueError(f"{path}: neither ShareGPT (conversations) nor Alpaca (instruction) records")
+    try:
+        pairs = _read_pairs(path, tokenizer)
+    except (ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
+        raise ValueError(f"{path}: not a usable JSONL / ShareGPT / Alpaca file ({type(exc).__name__}: {exc})") from exc
     random.Random(seed).shuffle(pairs)
     pairs = pairs[:n] if n else pairs
     if not pairs:
         raise ValueError(f"{path}: no usable prompts")
     return [RequestSpec(p, _count(tokenizer, p) or 0, output_len or max(1, int(m or 128))) for p, m in pairs]
+
+
+def _read_pairs(path: Path, tokenizer) -> list[tuple[str, int | None]]:
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        pairs = [(str(r["prompt"]), r.get("max_tokens")) for r in rows]
+    else:
+        data = json.loads(text)
+        if not isinstance(data, list) or not data:
+            raise ValueError("expected a non-empty JSON list")
+        if "conversations" in data[0]:
+            pairs = [_sharegpt_pair(r, tokenizer) for r in data if len(r.get("conversations", [])) >= 2]
+        elif "instruction" in data[0]:
+            pairs = [(_alpaca_prompt(r), _count(tokenizer, r.get("output", ""))) for r in data]
+        else:
+            raise ValueError("neither ShareGPT (conversations) nor Alpaca (instruction) records")
+    return pairs
 
 
 def _sharegpt_pair(record: dict, tokenizer) -> tuple[str, int | None]:

@@ -68,7 +68,9 @@ def test_datasets_jsonl_sharegpt_alpaca(tmp_path, smollm2_tokenizer):
     (spec,) = from_file(alpaca, smollm2_tokenizer, None, 5)
     assert spec.prompt == "Summarise\n\na text" and spec.max_tokens == 5
 
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"x": 1}]))
-    with pytest.raises(ValueError):
-        from_file(bad, smollm2_tokenizer, None, None)
+    for name, content in [("bad.json", json.dumps([{"x": 1}])), ("broken.jsonl", '{"prompt": "a"}\n{oops\n'),
+                          ("noprompt.jsonl", '{"text": "a"}\n'), ("object.json", '{"a": 1}')]:
+        bad = tmp_path / name
+        bad.write_text(content)
+        with pytest.raises(ValueError, match=name):
+            from_file(bad, smollm2_tokenizer, None, None)
