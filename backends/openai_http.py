@@ -39,8 +39,9 @@ class OpenAIHTTPBackend(Backend):
         self.name = f"openai:{cfg.url}"
         self.base_url = cfg.url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
-        self.timeout = httpx.Timeout(cfg.total_timeout_s, connect=cfg.connect_timeout_s,
-                                     read=cfg.first_token_timeout_s)
+        # First-token and total deadlines are the gateway's; here only connect and silence limits.
+        self.timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
+                                     write=cfg.read_timeout_s, pool=None)
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout,
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))

@@ -155,10 +155,12 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/admin/backends", tags=["operations"])
     async def admin_backends(_: Caller = Depends(authenticate)):
-        return {"models": [{"name": g.name, "deployments": [
+        return {"models": [{"name": g.name, "routing": g.strategy, "fallbacks": g.fallbacks, "deployments": [
             {"name": d.name, "backend": d.backend.name, "healthy": d.healthy, "weight": d.weight,
-             "in_flight": d.limiter.in_flight, "waiting": d.limiter.waiting} for d in g.deployments]}
-            for g in gateway.groups.values()]}
+             "breaker": d.breaker.state.name.lower(), "consecutive_failures": d.breaker.consecutive_failures,
+             "in_flight": d.limiter.in_flight, "waiting": d.limiter.waiting,
+             "ttft_ewma_ms": None if d.ttft_ewma_s is None else round(d.ttft_ewma_s * 1000, 3)}
+            for d in g.deployments]} for g in gateway.groups.values()]}
 
     return app
 

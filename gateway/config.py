@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.routing import Strategy
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -24,14 +26,18 @@ class _Strict(BaseModel):
 class DeploymentConfig(_Strict):
     """One backend serving a public model name."""
 
-    kind: Literal["native", "openai"] = "native"
+    kind: Literal["native", "openai", "tgi", "lightllm", "mii", "deepspeed"] = "native"
     name: str | None = None  # label in metrics and /admin/backends; derived when omitted
     weight: float = Field(1.0, gt=0)
     max_concurrency: int = Field(256, ge=1)  # requests in flight on this deployment
     max_queue: int = Field(1024, ge=0)  # requests waiting for a slot before 429
-    # native engine
+    # timeouts enforced by the gateway for every kind; None: no limit (a burst may queue for minutes)
+    first_token_timeout_s: float | None = Field(None, gt=0)
+    total_timeout_s: float | None = Field(None, gt=0)
+    # in-process engines (native, deepspeed)
     model_path: str | None = None  # local HF directory or .gguf; None: the embedded SmolLM2
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(32, ge=1)  # deepspeed: requests per static batch
     max_model_len: int | None = None
     kv_cache_gb: float = Field(2.0, gt=0)
     max_num_seqs: int = Field(256, ge=1)
@@ -39,22 +45,43 @@ class DeploymentConfig(_Strict):
     enable_prefix_caching: bool = True
     # remote servers
     url: str | None = None
-    upstream_model: str | None = None  # the name the remote server knows the model by
+    upstream_model: str | None = None  # the name the remote server knows the model by (MII: deployment)
     api_key: str | None = None
     connect_timeout_s: float = Field(5.0, gt=0)
-    first_token_timeout_s: float = Field(120.0, gt=0)
-    total_timeout_s: float = Field(600.0, gt=0)
+    read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
+    # chat on servers with a native API (tgi, lightllm, mii): their OpenAI route, or a local template
+    chat: Literal["server", "template"] = "server"
+    tokenizer: str | None = None  # local HF directory or .gguf whose chat template renders messages
 
     @model_validator(mode="after")
-    def _remote_needs_url(self) -> DeploymentConfig:
-        if self.kind != "native" and not self.url:
+    def _check_kind(self) -> DeploymentConfig:
+        if self.kind not in ("native", "deepspeed") and not self.url:
             raise ValueError(f"a {self.kind} deployment needs a url")
+        if self.kind == "mii" and not self.upstream_model:
+            raise ValueError("an mii deployment needs upstream_model: the MII deployment name")
+        if self.chat == "template" and not self.tokenizer:
+            raise ValueError("chat: template needs a tokenizer (a local HF directory or .gguf)")
         return self
 
 
 class ModelRoute(_Strict):
     name: str = Field(min_length=1)
     deployments: list[DeploymentConfig] = Field(min_length=1)
+    routing: Strategy = "least_outstanding"
+    fallbacks: list[str] = Field(default_factory=list)  # models tried, in order, when none of ours answers
+    prefix_chars: int = Field(256, ge=1)  # prefix_affinity: leading characters that pick the deployment
+
+
+class Router(_Strict):
+    """Retries, breakers and health checks, for every deployment."""
+
+    retries: int = Field(2, ge=0)  # extra attempts per model, for failures before the first token
+    retry_backoff_s: float = Field(0.05, ge=0)  # base of the exponential backoff (full jitter)
+    retry_backoff_max_s: float = Field(1.0, ge=0)
+    breaker_failures: int = Field(5, ge=1)  # consecutive failures that open a deployment's breaker
+    breaker_cooldown_s: float = Field(30.0, ge=0)  # open time before one probe request is let through
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0)
 
 
 class ApiKey(_Strict):
@@ -88,6 +115,7 @@ class Settings(BaseSettings):
     api_key: str | None = None  # shorthand for one unnamed key without limits (like VLLM_API_KEY)
     protect_metrics: bool = False  # require a key on /metrics too
     limits: Limits = Field(default_factory=Limits)
+    router: Router = Field(default_factory=Router)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -102,6 +130,10 @@ class Settings(BaseSettings):
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError("model names must be unique")
+        for m in self.models:
+            unknown = [f for f in m.fallbacks if f not in names or f == m.name]
+            if unknown:
+                raise ValueError(f"model {m.name!r}: fallbacks must name other configured models, not {unknown}")
         return self
 
     def routes(self) -> list[ModelRoute]:

@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from backends.base import OverloadedError
 from gateway.errors import rate_limited
 
 WINDOW_S = 60
@@ -93,7 +94,7 @@ class ConcurrencyLimiter:
 
     async def __aenter__(self) -> ConcurrencyLimiter:
         if self._slots.locked() and self.waiting >= self.max_queue:
-            raise rate_limited("The backend's queue is full; retry shortly.", 1.0)
+            raise OverloadedError("The backend's queue is full; retry shortly.", retry_after=1.0)
         self.waiting += 1
         try:
             await self._slots.acquire()

@@ -39,6 +39,12 @@ class GatewayMetrics:
         self.in_flight = Gauge("burstgate:requests_in_flight", "Requests being served now.", labels, registry=r)
         self.backend_healthy = Gauge("burstgate:backend_healthy", "1 when the backend passed its last check.",
                                      ("backend",), registry=r)
+        self.retries = Counter("burstgate:retries", "Attempts that failed before the first token and were retried.",
+                               ("model", "backend", "kind"), registry=r)
+        self.fallbacks = Counter("burstgate:fallbacks", "Requests sent on to a fallback model.",
+                                 ("model", "fallback"), registry=r)
+        self.breaker_state = Gauge("burstgate:breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+                                   ("backend",), registry=r)
         self.rate_limited = Counter("burstgate:rate_limited_requests", "Requests refused by a key's limit.",
                                     ("key",), registry=r)
 

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from backends.base import Backend, BackendError, GenerationChunk, GenerationRequest
+from backends.base import (
+    Backend,
+    BackendError,
+    BackendTimeoutError,
+    GenerationChunk,
+    GenerationRequest,
+    UnavailableError,
+)
+from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import Settings
 from gateway.deployments import build_backend
 from gateway.errors import GatewayError, model_not_found
+from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Deployment, HealthChecker, ModelGroup
+from gateway.routing import Deployment, ModelGroup
 
 log = logging.getLogger(__name__)
 
@@ -30,28 +41,39 @@ class Caller:
 ANONYMOUS = Caller("anonymous", KeyLimits())
 
 
+RETRYABLE = frozenset({"unavailable", "overloaded", "timeout", "upstream_error"})
+BREAKER_FAILURES = frozenset({"unavailable", "timeout", "upstream_error"})  # overload is not ill health
+
+
 class Gateway:
-    def __init__(self, settings: Settings, groups: list[ModelGroup], rate_limiter: RateLimiter | None = None,
-                 health_interval_s: float = 5.0) -> None:
+    def __init__(self, settings: Settings, groups: list[ModelGroup], rate_limiter: RateLimiter | None = None) -> None:
         self.settings = settings
+        self.router = settings.router
         self.groups = {g.name: g for g in groups}
         self.metrics = GatewayMetrics()
         self.rate_limiter = rate_limiter or (RedisRateLimiter(settings.limits.redis_url)
                                              if settings.limits.redis_url else RateLimiter())
-        self.health = HealthChecker(groups, health_interval_s, on_change=self._export_health)
+        self.health = HealthChecker(groups, self.router.health_interval_s, self.router.health_timeout_s,
+                                    on_change=self._export_health)
         self.metrics.watch_engines(self._engine_stats)
+        for d in self.health.deployments:
+            d.breaker.on_change = self._breaker_exporter(d)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Gateway:
         """Deployments built (not started) from the configuration."""
         groups = []
+        r = settings.router
         for route in settings.routes():
             deployments = []
             for i, cfg in enumerate(route.deployments):
                 backend = build_backend(route.name, cfg)
-                deployments.append(Deployment(cfg.name or f"{route.name}/{cfg.kind}-{i}", backend, cfg.weight,
-                                              ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue)))
-            groups.append(ModelGroup(route.name, deployments))
+                deployments.append(Deployment(
+                    cfg.name or f"{route.name}/{cfg.kind}-{i}", backend, cfg.weight,
+                    ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
+                    CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
+                    cfg.first_token_timeout_s, cfg.total_timeout_s))
+            groups.append(ModelGroup(route.name, deployments, route.routing, route.fallbacks, route.prefix_chars))
         return cls(settings, groups)
 
     # -------------------------------------------------------------------------------- lifecycle
@@ -78,6 +100,13 @@ class Gateway:
     def _export_health(self, d: Deployment) -> None:
         self.metrics.backend_healthy.labels(d.name).set(1 if d.healthy else 0)
 
+    def _breaker_exporter(self, d: Deployment):
+        def export(state: BreakerState) -> None:
+            log.warning("backend %s: circuit breaker %s", d.name, state.name.lower())
+            self.metrics.breaker_state.labels(d.name).set(state)
+        self.metrics.breaker_state.labels(d.name).set(d.breaker.state)
+        return export
+
     def _engine_stats(self):
         for group in self.groups.values():
             for d in group.deployments:
@@ -102,36 +131,117 @@ class Gateway:
 
     async def generate(self, group: ModelGroup, request: GenerationRequest, caller: Caller
                        ) -> AsyncIterator[GenerationChunk]:
-        """Stream one request from a chosen deployment. Errors before the first chunk propagate as raised;
-        closing the iterator aborts the backend's work."""
-        deployment = group.choose()
+        """Stream one request. Failures before the first chunk are retried on other deployments (with
+        backoff), then on the fallback models; the last error propagates as raised. After the first
+        chunk a failure ends the stream. Closing the iterator aborts the backend's work."""
+        attempt, last_error = 0, None
+        for g in [group, *(self.groups[name] for name in group.fallbacks)]:
+            if g is not group:
+                self.metrics.fallbacks.labels(group.name, g.name).inc()
+                log.warning("model %s: falling back to %s after %s", group.name, g.name, last_error)
+            tried: list[Deployment] = []
+            for _ in range(self.router.retries + 1):
+                if attempt:
+                    await asyncio.sleep(random.uniform(0, min(self.router.retry_backoff_max_s,
+                                                              self.router.retry_backoff_s * 2 ** (attempt - 1))))
+                deployment = _choose(g, request, tried)
+                if deployment is None:
+                    last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
+                    break
+                deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
+                attempt += 1
+                tried.append(deployment)
+                started = False
+                try:
+                    async with contextlib.aclosing(self._attempt(g, deployment, request, caller)) as chunks:
+                        async for chunk in chunks:
+                            started = True
+                            yield chunk
+                    return
+                except BackendError as exc:
+                    if started or exc.kind not in RETRYABLE:
+                        raise
+                    last_error = exc
+                    self.metrics.retries.labels(g.name, deployment.name, exc.kind).inc()
+                    log.info("request %s: %s failed before its first token (%s); retrying",
+                             request.request_id, deployment.name, exc.kind)
+        raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
+
+    async def _attempt(self, group: ModelGroup, deployment: Deployment, request: GenerationRequest,
+                       caller: Caller) -> AsyncIterator[GenerationChunk]:
+        """One try on one deployment: its slot held, its deadlines enforced, its breaker and metrics fed."""
         labels = (group.name, deployment.name)
         m = self.metrics
         start = last = time.perf_counter()
         status, first, usage = "error", True, None
-        async with deployment.limiter:
-            m.in_flight.labels(*labels).inc()
-            try:
-                async with contextlib.aclosing(deployment.backend.stream(request)) as chunks:
-                    async for chunk in chunks:
-                        now = time.perf_counter()
-                        (m.ttft if first else m.itl).labels(*labels).observe(now - last)
-                        first, last = False, now
-                        if chunk.usage is not None:
-                            usage = chunk.usage
-                        yield chunk
-                status = "ok"
-            except BackendError as exc:
-                status = exc.kind
-                raise
-            except BaseException:  # GeneratorExit / CancelledError: the client left
-                status = "cancelled"
-                raise
-            finally:
-                m.in_flight.labels(*labels).dec()
-                m.requests.labels(*labels, status).inc()
-                m.e2e.labels(*labels).observe(time.perf_counter() - start)
-                if usage is not None:
-                    m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-                    m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
-                    await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
+        try:
+            async with deployment.limiter:
+                m.in_flight.labels(*labels).inc()
+                try:
+                    loop = asyncio.get_running_loop()
+                    total = loop.time() + deployment.total_timeout_s if deployment.total_timeout_s else None
+                    async with contextlib.aclosing(deployment.backend.stream(request)) as chunks:
+                        while True:
+                            try:
+                                chunk = await _next_within(chunks, _deadline(loop, first, deployment, total))
+                            except StopAsyncIteration:
+                                break
+                            now = time.perf_counter()
+                            if first:
+                                deployment.observe_ttft(now - start)
+                            (m.ttft if first else m.itl).labels(*labels).observe(now - last)
+                            first, last = False, now
+                            if chunk.usage is not None:
+                                usage = chunk.usage
+                            yield chunk
+                finally:
+                    m.in_flight.labels(*labels).dec()
+            status = "ok"
+            deployment.breaker.success()
+        except BackendError as exc:
+            status = exc.kind
+            if exc.kind in BREAKER_FAILURES:
+                deployment.breaker.failure()
+            else:
+                deployment.breaker.release()
+            raise
+        except BaseException:  # GeneratorExit / CancelledError: the client left
+            status = "cancelled"
+            deployment.breaker.release()
+            raise
+        finally:
+            m.requests.labels(*labels, status).inc()
+            m.e2e.labels(*labels).observe(time.perf_counter() - start)
+            if usage is not None:
+                m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+                m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
+                await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
+
+
+def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment]) -> Deployment | None:
+    """A deployment not tried yet, else any available one (a retry on the same backend beats none)."""
+    for exclude in (tried, ()):
+        try:
+            return group.choose(request, exclude=exclude)
+        except UnavailableError:
+            if not tried:
+                return None
+    return None
+
+
+def _deadline(loop: asyncio.AbstractEventLoop, first: bool, d: Deployment, total: float | None) -> float | None:
+    """The loop time by which the next chunk must arrive: the first-token limit, then the total one."""
+    if first and d.first_token_timeout_s:
+        first_deadline = loop.time() + d.first_token_timeout_s
+        return first_deadline if total is None else min(first_deadline, total)
+    return total
+
+
+async def _next_within(chunks: AsyncIterator[GenerationChunk], deadline: float | None) -> GenerationChunk:
+    if deadline is None:
+        return await anext(chunks)
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await anext(chunks)
+    except TimeoutError:
+        raise BackendTimeoutError("the backend did not answer in time") from None

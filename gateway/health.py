@@ -1,0 +1,53 @@
+"""Active health checks: every deployment's ``health()`` polled in the background.
+
+Passive marking is the circuit breaker's job (gateway/breaker.py): a deployment that fails requests
+stops receiving them before the next poll notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gateway.routing import Deployment, ModelGroup
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    def __init__(self, groups: list[ModelGroup], interval_s: float = 5.0, timeout_s: float = 5.0,
+                 on_change: Callable[[Deployment], None] | None = None) -> None:
+        self.deployments = list({id(d): d for g in groups for d in g.deployments}.values())
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.on_change = on_change
+        self._task: asyncio.Task | None = None
+
+    async def check_once(self) -> None:
+        results = await asyncio.gather(*(self._check(d) for d in self.deployments))
+        for d, ok in zip(self.deployments, results):
+            if ok != d.healthy:
+                log.warning("backend %s is now %s", d.name, "healthy" if ok else "UNHEALTHY")
+            d.healthy = ok
+            if self.on_change:
+                self.on_change(d)
+
+    async def _check(self, d: Deployment) -> bool:
+        try:
+            return bool(await asyncio.wait_for(d.backend.health(), timeout=self.timeout_s))
+        except Exception:
+            return False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_once()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
