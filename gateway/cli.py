@@ -96,3 +96,7 @@ def serve(
 
     uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level)
 
+
+
+if __name__ == "__main__":
+    app()

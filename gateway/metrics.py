@@ -39,7 +39,7 @@ class GatewayMetrics:
         self.in_flight = Gauge("burstgate:requests_in_flight", "Requests being served now.", labels, registry=r)
         self.backend_healthy = Gauge("burstgate:backend_healthy", "1 when the backend passed its last check.",
                                      ("backend",), registry=r)
-        self.retries = Counter("burstgate:retries", "Attempts that failed before the first token and were retried.",
+        self.retries = Counter("burstgate:retries", "Attempts that failed before the first token and were tried again (labels: the failed one).",
                                ("model", "backend", "kind"), registry=r)
         self.fallbacks = Counter("burstgate:fallbacks", "Requests sent on to a fallback model.",
                                  ("model", "fallback"), registry=r)

@@ -134,7 +134,7 @@ class Gateway:
         """Stream one request. Failures before the first chunk are retried on other deployments (with
         backoff), then on the fallback models; the last error propagates as raised. After the first
         chunk a failure ends the stream. Closing the iterator aborts the backend's work."""
-        attempt, last_error = 0, None
+        attempt, last_error, failed = 0, None, None
         for g in [group, *(self.groups[name] for name in group.fallbacks)]:
             if g is not group:
                 self.metrics.fallbacks.labels(group.name, g.name).inc()
@@ -149,6 +149,8 @@ class Gateway:
                     last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
                     break
                 deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
+                if failed is not None:
+                    self.metrics.retries.labels(*failed, last_error.kind).inc()
                 attempt += 1
                 tried.append(deployment)
                 started = False
@@ -161,9 +163,8 @@ class Gateway:
                 except BackendError as exc:
                     if started or exc.kind not in RETRYABLE:
                         raise
-                    last_error = exc
-                    self.metrics.retries.labels(g.name, deployment.name, exc.kind).inc()
-                    log.info("request %s: %s failed before its first token (%s); retrying",
+                    last_error, failed = exc, (g.name, deployment.name)
+                    log.info("request %s: %s failed before its first token (%s)",
                              request.request_id, deployment.name, exc.kind)
         raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
 

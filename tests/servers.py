@@ -6,6 +6,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -57,3 +58,22 @@ def redis_server() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def wait_for_port(port: int, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
+
+
+def spawn_mock_server(port: int, model: str = "mock", ttft_ms: float = 0, itl_ms: float = 0) -> subprocess.Popen:
+    """``burstgate loadtest mock-server`` as a separate process, so tests can kill it like a crashed backend."""
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "loadtest", "mock-server", "--port", str(port),
+                             "--model", model, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms)])
+    wait_for_port(port, proc=proc)
+    return proc

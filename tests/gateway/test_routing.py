@@ -1,0 +1,99 @@
+"""Routing strategies choose among available deployments as documented in gateway/routing.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from backends.base import GenerationRequest, SamplingParams, UnavailableError
+from backends.openai_http import OpenAIHTTPBackend
+from gateway.breaker import CircuitBreaker
+from gateway.config import DeploymentConfig
+from gateway.limits import ConcurrencyLimiter
+from gateway.routing import Deployment, ModelGroup
+
+
+def deployment(name: str, weight: float = 1.0, in_flight: int = 0) -> Deployment:
+    # A real adapter that is never called: routing looks only at the deployment's own state.
+    backend = OpenAIHTTPBackend("m", DeploymentConfig(kind="openai", url="http://127.0.0.1:9/v1"))
+    d = Deployment(name, backend, weight, ConcurrencyLimiter(8, 8), CircuitBreaker(2, 60.0))
+    d.limiter.in_flight = in_flight
+    return d
+
+
+def request(prompt: str) -> GenerationRequest:
+    return GenerationRequest("r", "m", SamplingParams(), prompt=prompt)
+
+
+def test_round_robin_is_smooth_and_weighted():
+    a, b = deployment("a", weight=2), deployment("b")
+    group = ModelGroup("m", [a, b], strategy="round_robin")
+    picks = [group.choose().name for _ in range(9)]
+    assert picks == ["a", "b", "a"] * 3
+
+
+def test_least_outstanding_prefers_the_idlest_per_unit_of_weight():
+    busy, idle, big = deployment("busy", in_flight=3), deployment("idle", in_flight=1), deployment("big", 4, 3)
+    group = ModelGroup("m", [busy, idle, big])
+    assert group.choose() is big  # 3/4 < 1/1 < 3/1
+
+
+def test_latency_prefers_the_faster_backend_until_its_queue_makes_it_slower():
+    fast, slow = deployment("fast"), deployment("slow")
+    for _ in range(20):
+        fast.observe_ttft(0.1)
+        slow.observe_ttft(0.5)
+    group = ModelGroup("m", [fast, slow], strategy="latency")
+    assert group.choose() is fast
+    fast.limiter.in_flight = 9  # expected wait 0.1 × 10 = 1.0 s > 0.5 s
+    assert group.choose() is slow
+
+
+def test_ewma_moves_towards_new_observations():
+    d = deployment("d")
+    d.observe_ttft(1.0)
+    d.observe_ttft(0.0)
+    assert d.ttft_ewma_s == pytest.approx(0.8)
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_one_deployment_and_spreads_the_rest():
+    ds = [deployment(f"d{i}") for i in range(3)]
+    group = ModelGroup("m", ds, strategy="prefix_affinity", prefix_chars=32)
+    system = "You are a terse assistant. " * 3
+    owners = {group.choose(request(system + f"question {i}")).name for i in range(50)}
+    assert len(owners) == 1
+    spread = Counter(group.choose(request(f"{i} unrelated prompt")).name for i in range(300))
+    assert set(spread) == {"d0", "d1", "d2"} and min(spread.values()) > 50
+
+
+def test_prefix_affinity_moves_only_the_prefixes_of_a_removed_deployment():
+    ds = [deployment(f"d{i}") for i in range(4)]
+    group = ModelGroup("m", ds, strategy="prefix_affinity")
+    prompts = [f"prompt {i}" for i in range(400)]
+    before = {p: group.choose(request(p)) for p in prompts}
+    ds[1].healthy = False
+    after = {p: group.choose(request(p)) for p in prompts}
+    moved = [p for p in prompts if before[p] is not after[p]]
+    assert moved and all(before[p] is ds[1] for p in moved)
+
+
+def test_prefix_affinity_yields_to_load_balance_when_the_owner_is_far_busier():
+    a, b = deployment("a"), deployment("b")
+    group = ModelGroup("m", [a, b], strategy="prefix_affinity", balance_threshold=4)
+    owner = group.choose(request("same prefix"))
+    other = b if owner is a else a
+    owner.limiter.in_flight = 5
+    assert group.choose(request("same prefix")) is other
+
+
+@pytest.mark.parametrize("strategy", ["least_outstanding", "round_robin", "latency", "prefix_affinity"])
+def test_no_strategy_chooses_an_unhealthy_open_or_excluded_deployment(strategy):
+    sick, broken, tried, good = (deployment(n) for n in ("sick", "broken", "tried", "good"))
+    sick.healthy = False
+    broken.breaker.failure()
+    broken.breaker.failure()  # threshold 2: open for 60 s
+    group = ModelGroup("m", [sick, broken, tried, good], strategy=strategy)
+    assert {group.choose(request(f"p{i}"), exclude=[tried]).name for i in range(40)} == {"good"}
+    with pytest.raises(UnavailableError, match="no healthy backend for model 'm'"):
+        group.choose(request("p"), exclude=[tried, good])
