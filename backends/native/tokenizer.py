@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.base import InvalidRequestError
+from backends.stop_strings import StopStringFilter
 
 
 class Tokenizer:
@@ -44,8 +45,8 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas, cutting at stop strings.
 
-    Never emits half a UTF-8 character (decoded text ending in U+FFFD waits for the next token), and
-    holds back the last ``len(longest stop) - 1`` characters so a stop string is never streamed.
+    Never emits half a UTF-8 character (decoded text ending in U+FFFD waits for the next token); stop
+    strings are never streamed (``StopStringFilter``).
     """
 
     _CONTEXT = 5  # prompt tokens decoded as left context, so leading spaces come out right
@@ -56,34 +57,20 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-self._CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.stop = stop
         self.skip_special = skip_special_tokens
-        self.text = ""  # all output text so far (cut at a stop string once one is found)
-        self.emitted = 0  # characters of ``text`` already returned
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.stops = StopStringFilter(stop)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; returns (text safe to emit now, whether a stop string was hit)."""
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
+        delta = ""
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            search_from = max(len(self.text) - self.hold_back, 0)
-            self.text += full[len(prefix):]
+            delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            hits = [at for s in self.stop if (at := self.text.find(s, search_from)) != -1]
-            if hits:
-                self.text = self.text[:min(hits)]
-                return self._take(len(self.text)), True
-        return self._take(len(self.text) - self.hold_back), False
+        return self.stops.push(delta)
 
     def flush(self) -> str:
         """Whatever is held back, at the end of generation."""
-        return self._take(len(self.text))
-
-    def _take(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        delta = self.text[self.emitted:upto]
-        self.emitted = upto
-        return delta
+        return self.stops.flush()
