@@ -20,7 +20,6 @@ from backends.base import (
     Backend,
     BackendError,
     BackendInfo,
-    BackendTimeoutError,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -31,6 +30,7 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
+from backends.http import DONE, http_client, json_body, sse_events, transport_errors
 
 
 class OpenAIHTTPBackend(Backend):
@@ -39,12 +39,7 @@ class OpenAIHTTPBackend(Backend):
         self.name = f"openai:{cfg.url}"
         self.base_url = cfg.url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
-        # First-token and total deadlines are the gateway's; here only connect and silence limits.
-        self.timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
-                                     write=cfg.read_timeout_s, pool=None)
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=self.timeout,
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._client = http_client(self.base_url, cfg)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -54,19 +49,14 @@ class OpenAIHTTPBackend(Backend):
         chat = request.messages is not None
         body = self._body(request, chat)
         path = "/chat/completions" if chat else "/completions"
-        try:
-            async with self._client.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    raise _status_error(r.status_code, await r.aread())
-                if request.stream:
-                    async for chunk in _parse_sse(r, chat):
-                        yield chunk
-                else:
-                    yield _whole(await r.aread(), chat)
-        except httpx.TimeoutException as exc:
-            raise BackendTimeoutError(f"{self.name} timed out: {type(exc).__name__}") from exc
-        except httpx.TransportError as exc:
-            raise UnavailableError(f"{self.name} unreachable: {exc!r}") from exc
+        async with transport_errors(self.name), self._client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                raise _status_error(r.status_code, await r.aread())
+            if request.stream:
+                async for chunk in _parse_sse(r, chat):
+                    yield chunk
+            else:
+                yield _whole(await r.aread(), chat)
 
     async def health(self) -> bool:
         try:
@@ -164,16 +154,9 @@ def _status_error(status: int, content: bytes) -> BackendError:
 async def _parse_sse(response: httpx.Response, chat: bool) -> AsyncIterator[GenerationChunk]:
     finished = False
     pending: GenerationChunk | None = None  # the finish chunk waits for the usage chunk that follows it
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+    async for event in sse_events(response):
+        if event == DONE:
             break
-        try:
-            event = json.loads(data)
-        except ValueError as exc:
-            raise UpstreamError(f"malformed SSE event from upstream: {data[:200]!r}") from exc
         if "error" in event:
             err = event["error"]
             raise UpstreamError(f"upstream error mid-stream: {err.get('message', err) if isinstance(err, dict) else err}")
@@ -195,10 +178,10 @@ async def _parse_sse(response: httpx.Response, chat: bool) -> AsyncIterator[Gene
 
 def _whole(content: bytes, chat: bool) -> GenerationChunk:
     """A non-streamed reply as one final chunk."""
+    reply = json_body(content)
     try:
-        reply = json.loads(content)
         choice = reply["choices"][0]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    except (KeyError, IndexError, TypeError) as exc:
         raise UpstreamError(f"malformed reply from upstream: {content[:200]!r}") from exc
     text = (choice.get("message") or {}).get("content") or "" if chat else choice.get("text") or ""
     chunk = _chunk({**choice, "delta": {"content": text}, "text": text}, chat)

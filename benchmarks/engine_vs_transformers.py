@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/engine_vs_transformers.json"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
-    from backends.native.tokenizer import Tokenizer
+    from backends.tokenizer import Tokenizer
 
     path = default_model_path()
     tokenizer = Tokenizer(path)

@@ -28,8 +28,8 @@ class RequestSpec:
 
 def load_tokenizer(name_or_path: str | None) -> TokenizerLike:
     """A local HF tokenizer directory, a .gguf file, or (None) the embedded SmolLM2's. Never downloads."""
-    from backends.native.tokenizer import Tokenizer
     from backends.native.weights import default_model_path
+    from backends.tokenizer import Tokenizer
 
     return Tokenizer(Path(name_or_path) if name_or_path else default_model_path())
 

@@ -44,7 +44,7 @@ def hf_smollm2(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
-    from backends.native.tokenizer import Tokenizer
+    from backends.tokenizer import Tokenizer
 
     return Tokenizer(smollm2_path)
 

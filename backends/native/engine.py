@@ -14,8 +14,8 @@ from backends.native.model_runner import ModelRunner, kv_bytes_per_block, resolv
 from backends.native.sampler import Sampled, sample
 from backends.native.scheduler import Scheduler, SchedulerConfig
 from backends.native.sequence import Sequence
-from backends.native.tokenizer import IncrementalDetokenizer, Tokenizer
 from backends.native.weights import default_model_path, open_checkpoint
+from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -181,7 +181,7 @@ def _broken_app(mode: str) -> Starlette:
 def test_broken_upstreams_map_to_typed_errors(mode, error, text):
     with serve_app(_broken_app(mode)) as url:
         async def main():
-            adapter = _adapter(f"{url}/v1", first_token_timeout_s=1.0)
+            adapter = _adapter(f"{url}/v1", read_timeout_s=1.0)
             try:
                 with pytest.raises(error) as e:
                     await _collect(adapter, _req(prompt="x", max_tokens=3))

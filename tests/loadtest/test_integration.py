@@ -61,8 +61,8 @@ def test_burst_of_200_with_exact_prompt_counts_and_stored_results(gateway, mock,
 
 
 def _workload():
-    from backends.native.tokenizer import Tokenizer
     from backends.native.weights import default_model_path
+    from backends.tokenizer import Tokenizer
 
     return synthetic(Tokenizer(default_model_path()), 200, (12, 40), 4, seed=0)
 
@@ -80,8 +80,8 @@ def test_several_worker_processes(mock):
 
 
 def _tok():
-    from backends.native.tokenizer import Tokenizer
     from backends.native.weights import default_model_path
+    from backends.tokenizer import Tokenizer
 
     return Tokenizer(default_model_path())
 

@@ -10,7 +10,7 @@ import pytest
 from backends.base import GenerationRequest, InvalidRequestError, SamplingParams
 from backends.native.backend import NativeBackend
 from backends.native.engine import EngineConfig, LLMEngine
-from backends.native.tokenizer import IncrementalDetokenizer
+from backends.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
 

@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and incremental detokenisation for the native engine."""
+"""Tokenizer, chat template and incremental detokenisation, for in-process engines and chat templating of
+servers that only take text."""
 
 from __future__ import annotations
 
@@ -31,15 +32,22 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation plus the assistant turn header."""
-        if self.hf.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
-        try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # jinja2 errors, template-raised exceptions
-            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+        ids = self._chat_template(messages, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The conversation plus the assistant turn header as text, for servers that take only text."""
+        return self._chat_template(messages, tokenize=False)
+
+    def _chat_template(self, messages: list[dict[str, Any]], tokenize: bool):
+        if self.hf.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+        except Exception as exc:  # jinja2 errors, template-raised exceptions
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,168 @@
+"""What every HTTP adapter shares: the client, transport errors as ours, SSE parsing, and the base of
+adapters for servers with their own text-in/text-out API (TGI, LightLLM, MII).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from backends.base import (
+    Backend,
+    BackendError,
+    BackendInfo,
+    BackendTimeoutError,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    UnavailableError,
+    UpstreamError,
+    Usage,
+)
+from backends.stop_strings import StopStringFilter
+
+
+def http_client(base_url: str, cfg: Any) -> httpx.AsyncClient:
+    """A pooled client for one upstream. First-token and total deadlines are the gateway's; here only
+    the connect limit and the longest silence between two bytes."""
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s, write=cfg.read_timeout_s,
+                            pool=None)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+
+
+@contextlib.asynccontextmanager
+async def transport_errors(name: str):
+    """httpx's timeouts and connection failures as our ``BackendTimeoutError`` / ``UnavailableError``."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise BackendTimeoutError(f"{name} timed out: {type(exc).__name__}") from exc
+    except httpx.TransportError as exc:
+        raise UnavailableError(f"{name} unreachable: {exc!r}") from exc
+
+
+DONE = "[DONE]"
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON payloads of a Server-Sent Events body (``data:`` with or without a space, as axum and
+    Starlette write it); comments and keep-alives are skipped; ``[DONE]`` is yielded as ``DONE``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == DONE:
+            yield DONE
+            continue
+        try:
+            yield json.loads(data)
+        except ValueError as exc:
+            raise UpstreamError(f"malformed SSE event from upstream: {data[:200]!r}") from exc
+
+
+def json_body(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError as exc:
+        raise UpstreamError(f"malformed reply from upstream: {content[:200]!r}") from exc
+
+
+class TextServerBackend(Backend):
+    """Base of adapters for servers that take a text prompt and return text (TGI, LightLLM, MII).
+
+    It owns what they have in common: chat (the server's OpenAI route, or a local chat template),
+    stop strings with vLLM's semantics (servers keep the stop string in their output; we cut it and
+    never stream it), and usage on the last chunk. Subclasses speak the wire format in ``_generate``.
+    """
+
+    kind = "text-server"
+
+    def __init__(self, model_name: str, cfg: Any, openai_chat_path: str | None) -> None:
+        """``openai_chat_path``: where the server's OpenAI routes live, if it has them (``/v1``)."""
+        self.name = f"{self.kind}:{cfg.url}"
+        self.base_url = cfg.url.rstrip("/")
+        self.upstream_model = cfg.upstream_model or model_name
+        self._client = http_client(self.base_url, cfg)
+        self._chat_server = None
+        self._template_path = cfg.tokenizer if cfg.chat == "template" else None
+        self._tokenizer = None
+        if cfg.chat == "server" and openai_chat_path is not None:
+            from backends.openai_http import OpenAIHTTPBackend
+
+            self._chat_server = OpenAIHTTPBackend(model_name, cfg.model_copy(update={
+                "url": self.base_url + openai_chat_path}))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        if self._chat_server is not None:
+            await self._chat_server.close()
+
+    async def info(self) -> BackendInfo:
+        return BackendInfo(model_ids=[self.upstream_model])
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if request.messages is not None and self._chat_server is not None:
+            async with contextlib.aclosing(self._chat_server.stream(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        prompt = self._prompt_text(request)
+        stops = StopStringFilter(request.params.stop)
+        generated = 0
+        async with transport_errors(self.name), contextlib.aclosing(self._generate(prompt, request)) as chunks:
+            async for chunk in chunks:
+                generated += max(len(chunk.token_ids), 1 if chunk.text else 0)
+                text, hit = stops.push(chunk.text)
+                if chunk.finish_reason is None:
+                    if text or chunk.logprobs:
+                        yield GenerationChunk(text=text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+                    continue
+                # The server stops on the same stop string (it was sent), so its last event comes next.
+                reason = "stop" if stops.stopped else chunk.finish_reason
+                usage = chunk.usage or Usage(0, generated)
+                yield GenerationChunk(text=text + stops.flush(), token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+                                      finish_reason=reason, usage=usage)
+                return
+        raise UpstreamError(f"{self.name}: the stream ended without a finish reason")
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        if request.messages is not None:
+            if self._template_path is None:
+                raise InvalidRequestError(
+                    f"{self.name} serves chat only with `chat: template` and a local tokenizer", param="messages")
+            if self._tokenizer is None:
+                from backends.tokenizer import Tokenizer
+
+                self._tokenizer = Tokenizer(Path(self._template_path))
+            return self._tokenizer.render_chat(request.messages)
+        if not isinstance(request.prompt, str):
+            raise InvalidRequestError(f"{self.name} takes text prompts, not token ids", param="prompt")
+        return request.prompt
+
+    @abc.abstractmethod
+    def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Raw chunks from the server: text deltas (stop strings not yet cut), then one chunk with
+        ``finish_reason`` and, when the server reports them, token counts in ``usage``."""
+
+    async def _get_ok(self, path: str) -> bool:
+        try:
+            r = await self._client.get(path, timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+
+def raise_for_status(status: int, message: str, mapping: dict[int, type[BackendError]]) -> None:
+    """Raise the error ``mapping`` names for ``status`` (default: ``UpstreamError``) unless it is 200."""
+    if status == 200:
+        return
+    error = mapping.get(status, UpstreamError)
+    raise error(f"upstream answered {status}: {message}" if error is not InvalidRequestError else message)
