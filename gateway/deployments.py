@@ -20,4 +20,20 @@ def build_backend(model_name: str, cfg: DeploymentConfig) -> Backend:
         from backends.openai_http import OpenAIHTTPBackend
 
         return OpenAIHTTPBackend(model_name, cfg)
+    if cfg.kind == "tgi":
+        from backends.tgi import TGIBackend
+
+        return TGIBackend(model_name, cfg)
+    if cfg.kind == "lightllm":
+        from backends.lightllm import LightLLMBackend
+
+        return LightLLMBackend(model_name, cfg)
+    if cfg.kind == "mii":
+        from backends.deepspeed import MIIRestBackend
+
+        return MIIRestBackend(model_name, cfg)
+    if cfg.kind == "deepspeed":
+        from backends.deepspeed import DeepSpeedInferenceBackend
+
+        return DeepSpeedInferenceBackend(model_name, cfg)
     raise ValueError(f"deployment kind {cfg.kind!r} is not supported")
