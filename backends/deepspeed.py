@@ -1,0 +1,306 @@
+"""DeepSpeed: MII deployments over MII's REST gateway, and DeepSpeed-Inference in-process.
+
+MII (deepspeedai/DeepSpeed-MII, mii/grpc_related/restful_gateway.py): ``POST /mii/<deployment>``
+with ``client.generate``'s keyword arguments (``prompts``, ``max_new_tokens``, ``do_sample``,
+``top_p``, ``top_k``, ``temperature``, ``ignore_eos``, ``min_new_tokens``, ``stop``; see
+mii/config.py ``GenerateParamsConfig``, whose defaults are do_sample=True and top_p=0.9, so both are
+always sent), answered by a list of ``{generated_text, prompt_length, generated_length,
+finish_reason}`` (mii/batching/data_classes.py). No streaming: the answer is one chunk. Any failure
+is Flask's 500. ``GET /healthz`` answers "ok". MII's OpenAI server is reached with the ``openai`` kind.
+
+DeepSpeed-Inference: an HF model wrapped by ``deepspeed.init_inference`` (kernel injection only on
+CUDA), served with static batching as DeepSpeed-Inference users do: waiting requests are padded into
+one batch of at most ``max_batch_size`` that decodes until its last member finishes; each token is
+streamed as soon as it is sampled (vLLM sampling semantics, shared with the native engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import (
+    Backend,
+    BackendInfo,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    TokenLogprob,
+    UnavailableError,
+    UpstreamError,
+    Usage,
+)
+from backends.http import TextServerBackend, json_body, raise_for_status
+from backends.native.sampler import Sampled, sample
+from backends.native.sequence import Sequence
+from backends.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ MII REST
+class MIIRestBackend(TextServerBackend):
+    kind = "mii"
+
+    def __init__(self, model_name: str, cfg: Any) -> None:
+        super().__init__(model_name, cfg, openai_chat_path=None)
+        self.path = f"/mii/{cfg.upstream_model}"
+
+    async def health(self) -> bool:
+        return await self._get_ok("/healthz")
+
+    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        r = await self._client.post(self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
+        raise_for_status(r.status_code, r.text[:500], {404: UnavailableError})
+        try:
+            reply = json_body(r.content)[0]
+            yield GenerationChunk(text=reply["generated_text"], finish_reason=_mii_finish(reply["finish_reason"]),
+                                  usage=Usage(reply["prompt_length"], reply["generated_length"]))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise UpstreamError(f"malformed reply from MII: {r.text[:200]!r}") from exc
+
+
+def mii_parameters(p: SamplingParams) -> dict[str, Any]:
+    """Our sampling settings in MII's ``generate`` keywords; what MII cannot do is refused."""
+    for name, used in {"min_p": p.min_p != 0.0, "seed": p.seed is not None, "logprobs": p.logprobs is not None,
+                       "stop_token_ids": bool(p.stop_token_ids), "repetition_penalty": p.repetition_penalty != 1.0,
+                       "presence_penalty": p.presence_penalty != 0.0,
+                       "frequency_penalty": p.frequency_penalty != 0.0}.items():
+        if used:
+            raise InvalidRequestError(f"{name} is not supported by DeepSpeed-MII backends", param=name)
+    out: dict[str, Any] = {"do_sample": not p.greedy, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
+                           "min_new_tokens": p.min_tokens, "stop": p.stop}
+    if p.max_tokens is not None:
+        out["max_new_tokens"] = p.max_tokens
+    if not p.greedy:
+        out["temperature"] = p.temperature
+        if p.top_k > 0:
+            out["top_k"] = p.top_k
+    return out
+
+
+def _mii_finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+# -------------------------------------------------------------------------- DeepSpeed-Inference
+@dataclass(eq=False)
+class _Job:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, item: GenerationChunk | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class DeepSpeedInferenceBackend(Backend):
+    """A transformers model wrapped by ``deepspeed.init_inference``, batched and streamed in one thread."""
+
+    def __init__(self, model_name: str, cfg: Any) -> None:
+        self.model_name = model_name
+        self.name = "deepspeed-inference"
+        self.cfg = cfg
+        self.max_batch_size = cfg.max_batch_size
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model = None
+        self.tokenizer: Tokenizer | None = None
+        self.max_model_len = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._serve, name="deepspeed-inference", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        from backends.native.weights import default_model_path
+
+        path = Path(self.cfg.model_path) if self.cfg.model_path else default_model_path()
+        if path.is_file():  # GGUF: transformers dequantises it
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=self.dtype)
+            # The weights are dense tensors of ``dtype`` now; the flag would only stop DeepSpeed's dtype cast.
+            model.is_quantized = False
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, local_files_only=True)
+        rope = {name: buf.detach().clone() for name, buf in model.named_buffers() if "inv_freq" in name}
+        engine = deepspeed.init_inference(model, dtype=self.dtype,
+                                          replace_with_kernel_inject=torch.cuda.is_available())
+        self.model = engine.module.eval()
+        # init_inference casts every buffer to dtype; RoPE frequencies in bf16 change the outputs.
+        for name, original in rope.items():
+            owner, _, attr = name.rpartition(".")
+            self.model.get_submodule(owner.removeprefix("module.")).register_buffer(attr, original, persistent=False)
+        self.tokenizer = Tokenizer(path)
+        self.max_model_len = model.config.max_position_embeddings
+        eos = model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.eos_token_ids = frozenset([*eos, self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None
+                                       else eos)
+        log.info("DeepSpeed-Inference ready: %s (%s, max batch %d)", path.name, self.cfg.dtype, self.max_batch_size)
+
+    async def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    async def health(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def info(self) -> BackendInfo:
+        return BackendInfo(model_ids=[self.model_name], max_model_len=self.max_model_len or None)
+
+    async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
+                       add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, messages, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self._tokenizer().decode(token_ids, skip_special_tokens=False)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if self._thread is None or not self._thread.is_alive():
+            raise UnavailableError("DeepSpeed-Inference is not running")
+        params = SamplingParams(**vars(request.params))
+        params.validate()
+        prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)
+                      else self._encode(request.prompt, request.messages, request.add_special_tokens))
+        self._check(prompt_ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(prompt_ids)
+        seq = Sequence(request.request_id, prompt_ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        job = _Job(seq, IncrementalDetokenizer(self._tokenizer(), prompt_ids, params.stop, params.skip_special_tokens),
+                   asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(job)
+        try:
+            while True:
+                item = await job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            job.cancelled.set()  # the batch stops computing for it at the next token
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise UnavailableError("DeepSpeed-Inference is not started")
+        return self.tokenizer
+
+    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool) -> list[int]:
+        tokenizer = self._tokenizer()
+        if messages is not None:
+            return tokenizer.apply_chat_template(messages)
+        try:
+            return tokenizer.encode(text or "", add_special_tokens=add_special_tokens)
+        except (UnicodeError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"prompt cannot be tokenised: {exc}", param="prompt") from exc
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        vocab = self._tokenizer().vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"Token ids must be in [0, {vocab}).", param="prompt")
+        wanted = len(prompt_ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{params.max_tokens} output tokens and your prompt contains {len(prompt_ids)} input tokens, "
+                f"for a total of {wanted} tokens.", param="input_tokens")
+
+    # ------------------------------------------------------------------------------ worker thread
+    def _serve(self) -> None:
+        while True:
+            job = self._inbox.get()
+            if job is None:
+                return
+            batch = [job]
+            while len(batch) < self.max_batch_size:
+                try:
+                    nxt = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._inbox.put(None)
+                    break
+                batch.append(nxt)
+            batch = [j for j in batch if not j.cancelled.is_set()]
+            try:
+                with torch.inference_mode():
+                    self._run_batch(batch)
+            except Exception as exc:  # one bad batch must not kill the server
+                log.exception("DeepSpeed-Inference batch failed")
+                for j in batch:
+                    j.emit(UpstreamError(f"DeepSpeed-Inference failed: {exc}"))
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        if not batch:
+            return
+        longest = max(j.seq.num_prompt for j in batch)
+        pad = 0
+        ids = torch.full((len(batch), longest), pad, dtype=torch.int64)
+        mask = torch.zeros((len(batch), longest), dtype=torch.int64)
+        for i, j in enumerate(batch):  # left padding: every row's last token is at the same position
+            ids[i, longest - j.seq.num_prompt:] = torch.tensor(j.seq.prompt_ids)
+            mask[i, longest - j.seq.num_prompt:] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        live = list(range(len(batch)))
+        while True:
+            logits = out.logits[:, -1].float()
+            rows = [i for i in live if not batch[i].cancelled.is_set()]
+            picks = dict(zip(rows, sample(logits[rows], [batch[i].seq for i in rows], self.eos_token_ids))) if rows else {}
+            next_ids = torch.full((len(batch), 1), pad, dtype=torch.int64)
+            live = []
+            for i, sampled in picks.items():
+                if self._append(batch[i], sampled) is None:
+                    live.append(i)
+                    next_ids[i, 0] = sampled.token_id
+            if not live:
+                return
+            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.int64)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=out.past_key_values, use_cache=True)
+
+    def _append(self, job: _Job, sampled: Sampled) -> str | None:
+        """Record one sampled token, stream its text; the finish reason once the sequence is done."""
+        seq, params, token = job.seq, job.seq.params, sampled.token_id
+        seq.token_ids.append(token)
+        text, hit_stop = job.detok.add(token)
+        reason = None
+        if hit_stop or token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            text += job.detok.flush()
+        logprobs = None
+        if params.logprobs is not None:
+            decode = self.tokenizer.decode
+            logprobs = [TokenLogprob(token, decode([token], False), sampled.logprob,
+                                     [(t, decode([t], False), lp) for t, lp in sampled.top or []])]
+        job.emit(GenerationChunk(text=text, token_ids=[token], logprobs=logprobs, finish_reason=reason,
+                                 usage=Usage(seq.num_prompt, seq.num_output) if reason else None))
+        return reason
