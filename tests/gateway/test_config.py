@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from gateway.cli import app, build_settings
-from gateway.config import DEFAULT_MODEL_NAME, hash_key, load_settings
+from gateway.config import DEFAULT_MODEL_NAME, Settings, hash_key, load_settings
 
 YAML = """
 models:
@@ -90,5 +90,19 @@ def test_shipped_example_config_is_valid():
     from pathlib import Path
 
     s = load_settings(Path(__file__).resolve().parents[2] / "deploy" / "config" / "gateway.example.yaml")
-    assert [d.kind for d in s.models[0].deployments] == ["native", "openai"]
+    assert [[d.kind for d in m.deployments] for m in s.models] == [["native", "openai"], ["tgi"], ["deepspeed", "mii"]]
+    assert s.models[0].routing == "prefix_affinity" and s.models[0].fallbacks == ["smollm2-tgi"]
     assert s.api_keys[0].sha256 == hash_key("password") and s.limits.redis_url
+
+
+@pytest.mark.parametrize("models, message", [
+    ([{"name": "a", "deployments": [{"kind": "native"}], "fallbacks": ["b"]}], "fallbacks must name other"),
+    ([{"name": "a", "deployments": [{"kind": "native"}], "fallbacks": ["a"]}], "fallbacks must name other"),
+    ([{"name": "a", "deployments": [{"kind": "native"}], "routing": "random"}], "routing"),
+    ([{"name": "a", "deployments": [{"kind": "mii", "url": "http://x"}]}], "MII deployment name"),
+    ([{"name": "a", "deployments": [{"kind": "tgi", "url": "http://x", "chat": "template"}]}], "needs a tokenizer"),
+    ([{"name": "a", "deployments": [{"kind": "lightllm"}]}], "needs a url"),
+])
+def test_routing_and_deployment_mistakes_are_refused_at_load(models, message):
+    with pytest.raises(ValueError, match=message):
+        Settings(models=models)
