@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install install-dev redis lint peers peers-litellm
+.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -52,3 +52,7 @@ lint: install-dev
 
 peers: .peers/vllm/bin/python
 peers-litellm: .peers/litellm/bin/litellm
+
+# The OpenAI adapter against real vLLM (starts it with --enforce-eager: about 50 s on this CPU).
+test-peers: install-dev peers
+	BURSTGATE_PEERS=1 $(PY) -m pytest -q -p no:cacheprovider tests/peers

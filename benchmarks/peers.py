@@ -1,4 +1,4 @@
-"""Helpers to run peer servers beside burstgate for side-by-side benchmarks (never used by tests).
+"""Helpers to run peer servers beside burstgate, for side-by-side benchmarks and the opt-in peer tests.
 
 - ``export_hf_dir``: the embedded SmolLM2 GGUF saved as an HF directory (transformers dequantises it),
   the form vLLM and DeepSpeed load.

@@ -31,7 +31,7 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
     async def _generate(request: Request, chat: bool) -> Response:
         try:
             body = json.loads(await request.body())
-            n = int(body.get("max_tokens") or 16)
+            n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
             prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         except (ValueError, KeyError, TypeError, IndexError):
             return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error",
