@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm
+.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm peers-guidellm
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -50,8 +50,15 @@ lint: install-dev
 	python3 -m venv .peers/litellm
 	.peers/litellm/bin/pip install -q 'litellm[proxy]'
 
+# guidellm pulls a multi-GB CUDA torch unless the CPU wheel is there first.
+.peers/guidellm/bin/guidellm:
+	python3 -m venv .peers/guidellm
+	.peers/guidellm/bin/pip install -q torch==2.13.0
+	.peers/guidellm/bin/pip install -q guidellm==0.8.1
+
 peers: .peers/vllm/bin/python
 peers-litellm: .peers/litellm/bin/litellm
+peers-guidellm: .peers/guidellm/bin/guidellm
 
 # The OpenAI adapter against real vLLM (starts it with --enforce-eager: about 50 s on this CPU).
 test-peers: install-dev peers

@@ -1,7 +1,13 @@
-"""How fast can the load tester itself send? Against the instant mock server, the highest constant
-request rate at which burstgate's tester keeps its p99 send lag within 2 ms, with 1 and more client
-worker processes.
+"""The load tester against guidellm, side by side in one run.
 
+1. Capacity: against the instant mock server, the highest constant request rate each tool sustains
+   with p99 send lag (actual − targeted send time) ≤ 2 ms and ≥ 98% of the rate achieved. For
+   guidellm the lag is read from its per-request timings (``request_start − targeted_start``).
+2. Agreement: both tools measure the same burstgate server (native engine, SmolLM2) on the same
+   workload (a burst of chat requests, fixed prompt and output lengths, ignore_eos); their output
+   token throughput and median TTFT are compared.
+
+    make peers-guidellm     # guidellm 0.8.1 in .peers/guidellm (CPU torch first)
     python benchmarks/loadtest_capacity.py --rates 100,200,400,800,1600 --seconds 5
 """
 
@@ -9,53 +15,137 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import free_port  # noqa: E402
+from peers import GUIDELLM, HF_DIR, export_hf_dir, free_port, wait_ready  # noqa: E402
 
-from loadtest.client import Target  # noqa: E402
+from loadtest.client import RequestOptions, Target  # noqa: E402
 from loadtest.runner import RunConfig, run_target  # noqa: E402
 from loadtest.schedule import Schedule  # noqa: E402
-from loadtest.workload import RequestSpec  # noqa: E402
+from loadtest.workload import RequestSpec, load_tokenizer, synthetic  # noqa: E402
 
 LAG_LIMIT_MS = 2.0
+MIN_ACHIEVED = 0.98
+BURSTGATE = Path(sys.executable).parent / "burstgate"
+
+
+def ours_at(url: str, rate: float, seconds: float, workers: int, output_len: int) -> tuple[float, float]:
+    """(p99 send lag ms, achieved req/s) of our tester at a constant ``rate``."""
+    specs = [RequestSpec("hello world", 2, output_len)] * int(rate * seconds)
+    s = asyncio.run(run_target(Target(url, "mock"), specs, RunConfig(schedule=Schedule.constant, rate=rate,
+                                                                     workers=workers))).summary
+    return s["p99_send_lag_ms"], s["request_throughput"] if s["failed"] == 0 else 0.0
+
+
+def guidellm(url: str, model: str, profile: str, count: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """One guidellm run; returns its JSON report's first benchmark."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        cmd = [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={url},model={model}",
+               "--profile", profile, "--constraint", f"kind=max_requests,count={count}",
+               "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+               "--tokenizer", f"kind=huggingface_auto,model={HF_DIR}", "--output", f"kind=json,path={out}",
+               "--disable-console"]
+        subprocess.run(cmd, check=True, cwd=tmp, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text())["benchmarks"][0]
+
+
+def guidellm_at(url: str, rate: float, seconds: float, output_len: int) -> tuple[float, float]:
+    b = guidellm(url, "mock", f"kind=constant,rate={rate}", int(rate * seconds), 2, output_len)
+    done = b["requests"]["successful"]
+    if len(done) < int(rate * seconds):
+        return float("inf"), 0.0
+    timings = [r["info"]["timings"] for r in done]
+    lags = [(t["request_start"] - t["targeted_start"]) * 1000 for t in timings]
+    span = max(t["request_start"] for t in timings) - min(t["request_start"] for t in timings)
+    return statistics.quantiles(lags, n=100)[98], (len(done) - 1) / span if span else 0.0
+
+
+def capacity(name: str, measure, rates: list[float]) -> float:
+    best = 0.0
+    for rate in rates:
+        lag, achieved = measure(rate)
+        ok = lag <= LAG_LIMIT_MS and achieved >= MIN_ACHIEVED * rate
+        print(f"  {name:22s} rate {rate:6.0f}/s: p99 send lag {lag:8.2f} ms, achieved {achieved:7.1f} req/s  "
+              f"{'ok' if ok else 'FALLS BEHIND'}")
+        best = rate if ok else best
+    return best
+
+
+def agreement(n: int, input_len: int, output_len: int) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(BURSTGATE), "serve", "--port", str(port), "--log-level", "warning"])
+    try:
+        wait_ready(url, 300, server)
+        model = "SmolLM2-135M-Instruct"
+        target = Target(url, model)
+        cfg = RunConfig(request=RequestOptions(endpoint="chat"))
+        specs = synthetic(load_tokenizer(str(HF_DIR)), n, input_len, output_len, seed=0)
+        asyncio.run(run_target(target, specs[:8], cfg))  # warm-up, outside both measurements
+        ours = asyncio.run(run_target(target, specs, cfg)).summary
+        theirs = guidellm(url, model, f"kind=concurrent,streams={n}", n, input_len, output_len)
+        m = theirs["metrics"]
+        rows = [("output tok/s", ours["output_throughput"], m["output_tokens_per_second"]["successful"]["mean"]),
+                ("median TTFT ms", ours["median_ttft_ms"], m["time_to_first_token_ms"]["successful"]["median"])]
+        print(f"\nSame burstgate server, burst of {n} chat requests, {input_len} in / {output_len} out:")
+        for label, a, b in rows:
+            print(f"  {label:16s} burstgate {a:9.2f}   guidellm {b:9.2f}   difference {100 * (a - b) / b:+6.1f}%")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def main() -> None:
-    import subprocess
-
-    from peers import wait_ready
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100,200,400,800,1600")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--agreement-requests", type=int, default=32)
+    ap.add_argument("--agreement-input-len", type=int, default=128)
+    ap.add_argument("--agreement-output-len", type=int, default=32)
     args = ap.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    have_guidellm = GUIDELLM.exists()
+    if have_guidellm:
+        export_hf_dir()  # guidellm's tokenizer, offline
+    else:
+        print(f"guidellm not installed ({GUIDELLM}): `make peers-guidellm`; measuring burstgate only")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(Path(sys.executable).parent / "burstgate"), "loadtest", "mock-server",
-                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mock = subprocess.Popen([str(BURSTGATE), "loadtest", "mock-server", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = {}
     try:
-        wait_ready(url, 60, server)
+        wait_ready(url, 60, mock)
+        print(f"Capacity against the instant mock server (p99 send lag <= {LAG_LIMIT_MS} ms, "
+              f">= {MIN_ACHIEVED:.0%} of the rate achieved):")
         for workers in (int(w) for w in args.workers.split(",")):
-            best = 0.0
-            for rate in (float(r) for r in args.rates.split(",")):
-                n = int(rate * args.seconds)
-                specs = [RequestSpec("hello world", 2, args.output_len)] * n
-                cfg = RunConfig(schedule=Schedule.constant, rate=rate, workers=workers)
-                s = asyncio.run(run_target(Target(url, "mock"), specs, cfg)).summary
-                ok = s["p99_send_lag_ms"] <= LAG_LIMIT_MS and s["failed"] == 0
-                print(f"workers={workers} rate={rate:7.0f}/s: p99 send lag {s['p99_send_lag_ms']:7.2f} ms, "
-                      f"achieved {s['request_throughput']:7.1f} req/s, failed {s['failed']}  {'ok' if ok else 'FALLS BEHIND'}")
-                if ok:
-                    best = rate
-            print(f"workers={workers}: capacity {best:.0f} req/s with p99 send lag <= {LAG_LIMIT_MS} ms\n")
+            results[f"burstgate, {workers} worker(s)"] = capacity(
+                f"burstgate x{workers}", lambda r, w=workers: ours_at(url, r, args.seconds, w, args.output_len), rates)
+        if have_guidellm:
+            results["guidellm"] = capacity("guidellm", lambda r: guidellm_at(url, r, args.seconds, args.output_len),
+                                           rates)
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        mock.terminate()
+        mock.wait(timeout=30)
+    print()
+    for name, best in results.items():
+        print(f"  {name:24s} capacity {best:6.0f} req/s")
+    if results.get("guidellm"):
+        ours = max(v for k, v in results.items() if k.startswith("burstgate"))
+        print(f"  burstgate / guidellm capacity: {ours / results['guidellm']:.2f}x (goal >= 2x)")
+    if have_guidellm:
+        agreement(args.agreement_requests, args.agreement_input_len, args.agreement_output_len)
 
 
 if __name__ == "__main__":

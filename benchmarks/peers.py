@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / ".peers"
 HF_DIR = PEERS / "smollm2-hf"
 VLLM_PYTHON = PEERS / "vllm" / "bin" / "python"
+GUIDELLM = PEERS / "guidellm" / "bin" / "guidellm"
 
 
 def export_hf_dir(target: Path = HF_DIR) -> Path:
