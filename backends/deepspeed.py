@@ -56,11 +56,11 @@ class MIIRestBackend(TextServerBackend):
         self.path = f"/mii/{cfg.upstream_model}"
 
     async def health(self) -> bool:
-        return await self._get_ok("/healthz")
+        return await self._http.ok("/healthz")
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        r = await self._client.post(self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
-        raise_for_status(r.status_code, r.text[:500], {404: UnavailableError})
+        r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
+        raise_for_status(r.status, r.text[:500], {404: UnavailableError})
         try:
             reply = json_body(r.content)[0]
             yield GenerationChunk(text=reply["generated_text"], finish_reason=_mii_finish(reply["finish_reason"]),

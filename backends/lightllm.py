@@ -38,22 +38,22 @@ class LightLLMBackend(TextServerBackend):
         super().__init__(model_name, cfg, openai_chat_path="/v1")
 
     async def health(self) -> bool:
-        return await self._get_ok("/health")
+        return await self._http.ok("/health")
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         body = {"inputs": prompt, "parameters": parameters(request.params)}
         want_logprobs = request.params.logprobs is not None
         if not request.stream:
-            r = await self._client.post("/generate", json=body)
-            _raise(r.status_code, r.content)
+            r = await self._http.call("POST", "/generate", json=body)
+            _raise(r.status, r.content)
             reply = json_body(r.content)
             texts = reply.get("generated_text") or [""]
             yield GenerationChunk(text=texts[0], finish_reason=_finish(reply.get("finish_reason")),
                                   usage=Usage(reply.get("prompt_tokens", 0), reply.get("count_output_tokens", 0)))
             return
-        async with self._client.stream("POST", "/generate_stream", json=body) as r:
-            if r.status_code != 200:
-                _raise(r.status_code, await r.aread())
+        async with self._http.stream("POST", "/generate_stream", json=body) as r:
+            if r.status != 200:
+                _raise(r.status, await r.read())
             async for event in sse_events(r):
                 token = event["token"]
                 finished = event.get("finished")

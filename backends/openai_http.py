@@ -14,8 +14,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from backends.base import (
     Backend,
     BackendError,
@@ -30,7 +28,7 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import DONE, http_client, json_body, sse_events, transport_errors
+from backends.http import DONE, HTTPClient, json_body, sse_events, transport_errors
 
 
 class OpenAIHTTPBackend(Backend):
@@ -39,38 +37,35 @@ class OpenAIHTTPBackend(Backend):
         self.name = f"openai:{cfg.url}"
         self.base_url = cfg.url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
-        self._client = http_client(self.base_url, cfg)
+        self._http = HTTPClient(self.base_url, cfg, self.name)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._http.close()
 
     # ----------------------------------------------------------------------------------- protocol
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         chat = request.messages is not None
         body = self._body(request, chat)
         path = "/chat/completions" if chat else "/completions"
-        async with transport_errors(self.name), self._client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                raise _status_error(r.status_code, await r.aread())
+        async with transport_errors(self.name), self._http.stream("POST", path, json=body) as r:
+            if r.status != 200:
+                raise _status_error(r.status, await r.read())
             if request.stream:
                 async for chunk in _parse_sse(r, chat):
                     yield chunk
             else:
-                yield _whole(await r.aread(), chat)
+                yield _whole(await r.read(), chat)
 
     async def health(self) -> bool:
-        try:
-            r = await self._client.get("/models", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
+        return await self._http.ok("/models")
 
     async def info(self) -> BackendInfo:
+        r = await self._http.call("GET", "/models", timeout_s=5.0)
         try:
-            r = await self._client.get("/models", timeout=5.0)
-            r.raise_for_status()
-            models = r.json().get("data", [])
-        except (httpx.HTTPError, ValueError) as exc:
+            if r.status != 200:
+                raise ValueError(f"status {r.status}")
+            models = json.loads(r.content).get("data", [])
+        except (ValueError, AttributeError) as exc:
             raise UnavailableError(f"{self.name}: cannot list models: {exc!r}") from exc
         mine = next((m for m in models if m.get("id") == self.upstream_model), {})
         return BackendInfo(model_ids=[m.get("id") for m in models], max_model_len=mine.get("max_model_len"))
@@ -87,15 +82,12 @@ class OpenAIHTTPBackend(Backend):
     async def _root_post(self, path: str, body: dict) -> dict:
         """vLLM serves its tokenizer routes at the server root, beside /v1."""
         root = self.base_url.removesuffix("/v1")
-        try:
-            r = await self._client.post(root + path, json=body)
-        except httpx.HTTPError as exc:
-            raise UnavailableError(f"{self.name} unreachable: {exc!r}") from exc
-        if r.status_code == 404:
+        r = await self._http.call("POST", root + path, json=body)
+        if r.status == 404:
             raise InvalidRequestError(f"{self.name} has no {path} route", param="model")
-        if r.status_code != 200:
-            raise _status_error(r.status_code, r.content)
-        return r.json()
+        if r.status != 200:
+            raise _status_error(r.status, r.content)
+        return json_body(r.content)
 
     # ------------------------------------------------------------------------------------ helpers
     def _body(self, request: GenerationRequest, chat: bool) -> dict[str, Any]:
@@ -151,7 +143,7 @@ def _status_error(status: int, content: bytes) -> BackendError:
     return UpstreamError(f"upstream answered {status}: {message}", param=param)
 
 
-async def _parse_sse(response: httpx.Response, chat: bool) -> AsyncIterator[GenerationChunk]:
+async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
     finished = False
     pending: GenerationChunk | None = None  # the finish chunk waits for the usage chunk that follows it
     async for event in sse_events(response):

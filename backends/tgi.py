@@ -27,7 +27,7 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import TextServerBackend, json_body, raise_for_status, sse_events, transport_errors
+from backends.http import TextServerBackend, json_body, raise_for_status, sse_events
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 ERRORS = {422: InvalidRequestError, 400: InvalidRequestError, 413: InvalidRequestError, 424: UpstreamError,
@@ -41,12 +41,11 @@ class TGIBackend(TextServerBackend):
         super().__init__(model_name, cfg, openai_chat_path="/v1")
 
     async def health(self) -> bool:
-        return await self._get_ok("/health")
+        return await self._http.ok("/health")
 
     async def info(self) -> BackendInfo:
-        async with transport_errors(self.name):
-            r = await self._client.get("/info", timeout=5.0)
-        raise_for_status(r.status_code, r.text[:500], ERRORS)
+        r = await self._http.call("GET", "/info", timeout_s=5.0)
+        raise_for_status(r.status, r.text[:500], ERRORS)
         info = json_body(r.content)
         return BackendInfo(model_ids=[info.get("model_id", self.upstream_model)],
                            max_model_len=info.get("max_total_tokens"), tokenizer=info.get("model_id"), extra=info)
@@ -55,17 +54,16 @@ class TGIBackend(TextServerBackend):
                        add_special_tokens: bool = True) -> list[int]:
         if text is None:
             raise InvalidRequestError(f"{self.name} tokenizes text prompts only", param="messages")
-        async with transport_errors(self.name):
-            r = await self._client.post("/tokenize", json={"inputs": text})
-        _raise(r.status_code, r.content)
+        r = await self._http.call("POST", "/tokenize", json={"inputs": text})
+        _raise(r.status, r.content)
         return [t["id"] for t in json_body(r.content)]
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         body = {"inputs": prompt, "parameters": parameters(request.params)}
         want_logprobs = request.params.logprobs is not None
         if not request.stream:
-            r = await self._client.post("/generate", json=body)
-            _raise(r.status_code, r.content)
+            r = await self._http.call("POST", "/generate", json=body)
+            _raise(r.status, r.content)
             reply = json_body(r.content)
             details = reply.get("details") or {}
             tokens = details.get("tokens") or []
@@ -76,9 +74,9 @@ class TGIBackend(TextServerBackend):
                 finish_reason=_finish(details),
                 usage=Usage(int(r.headers.get("x-prompt-tokens", 0)), details.get("generated_tokens", len(tokens))))
             return
-        async with self._client.stream("POST", "/generate_stream", json=body) as r:
-            if r.status_code != 200:
-                _raise(r.status_code, await r.aread())
+        async with self._http.stream("POST", "/generate_stream", json=body) as r:
+            if r.status != 200:
+                _raise(r.status, await r.read())
             async for event in sse_events(r):
                 if not isinstance(event, dict):
                     continue

@@ -165,12 +165,12 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     return app
 
 
-async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> dict:
+async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
     folded = Folded()
     async with contextlib.aclosing(stream) as chunks:
         async for chunk in chunks:
             folded.add(chunk)
-    return writer.full(folded)
+    return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
 
 
 async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usage: bool,
@@ -201,7 +201,7 @@ async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _until_disconnect(request: Request, work) -> dict | Response:
+async def _until_disconnect(request: Request, work) -> Response:
     """Run ``work``, cancelling it if the client disconnects first (vLLM's ``with_cancellation``)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
