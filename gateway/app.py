@@ -42,7 +42,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
     keys = {k.sha256: k for k in gateway.settings.api_keys}
 
-    def authenticate(request: Request) -> Caller:
+    async def authenticate(request: Request) -> Caller:  # async: no threadpool hop per request
         if not keys:
             return ANONYMOUS
         header = request.headers.get("authorization", "")
@@ -59,9 +59,9 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
             raise errors.unauthorized()
         return Caller(match.name, KeyLimits(match.requests_per_minute, match.tokens_per_minute))
 
-    def metrics_auth(request: Request) -> None:
+    async def metrics_auth(request: Request) -> None:
         if gateway.settings.protect_metrics:
-            authenticate(request)
+            await authenticate(request)
 
     # -------------------------------------------------------------------------------- generation
     @app.post("/v1/chat/completions", tags=["openai"])
