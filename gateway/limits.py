@@ -8,6 +8,7 @@ finishes; a key whose window is already spent is refused before any work starts.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from backends.base import OverloadedError
 from gateway.errors import rate_limited
 
 WINDOW_S = 60
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,20 +61,35 @@ class RateLimiter:
 
 
 class RedisRateLimiter(RateLimiter):
-    """The same windows in Redis, shared by every gateway replica pointing at it."""
+    """The same windows in Redis, shared by every gateway replica pointing at it.
 
-    def __init__(self, url: str) -> None:
+    When Redis cannot be reached the limits stay enforced, per replica, in this process's memory
+    (neither failing open nor refusing every request); ``redis_down`` says so for metrics and logs.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
         super().__init__()
         import redis.asyncio as redis
 
-        self._redis = redis.from_url(url)
+        self._redis = redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._errors = (redis.ConnectionError, redis.TimeoutError)
+        self.redis_down = False
 
     async def _incr(self, key: str, amount: int) -> int:
         window_key = f"burstgate:{key}:{int(time.time() // WINDOW_S)}"
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incrby(window_key, amount)
-            pipe.expire(window_key, WINDOW_S * 2)
-            count, _ = await pipe.execute()
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.incrby(window_key, amount)
+                pipe.expire(window_key, WINDOW_S * 2)
+                count, _ = await pipe.execute()
+        except self._errors as exc:
+            if not self.redis_down:
+                log.error("Redis unreachable (%s): rate limits now counted per replica until it returns", exc)
+            self.redis_down = True
+            return await super()._incr(key, amount)
+        if self.redis_down:
+            log.warning("Redis is back: rate limits shared across replicas again")
+            self.redis_down = False
         return int(count)
 
     async def close(self) -> None:

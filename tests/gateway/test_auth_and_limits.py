@@ -12,7 +12,7 @@ import pytest
 from gateway.config import hash_key
 from gateway.limits import WINDOW_S, RedisRateLimiter
 from tests.conftest import MODEL
-from tests.servers import redis_server
+from tests.servers import free_port, redis_server
 
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 
@@ -83,6 +83,15 @@ def test_limits_are_shared_across_replicas_through_redis(start_gateway):
                 start_gateway(api_keys=key, rate_limiter=RedisRateLimiter(redis_url)) as (b, _):
             codes = [_post(url, "sk-s").status_code for url in (a, b, a, b, a, b)]
     assert codes == [200, 200, 200, 200, 429, 429]
+
+
+def test_unreachable_redis_keeps_limits_per_replica_instead_of_failing(start_gateway):
+    _fresh_window()
+    key = [{"name": "solo", "key": "sk-r", "requests_per_minute": 2}]
+    limiter = RedisRateLimiter(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    with start_gateway(api_keys=key, rate_limiter=limiter) as (url, _):
+        codes = [_post(url, "sk-r").status_code for _ in range(3)]
+    assert codes == [200, 200, 429] and limiter.redis_down
 
 
 def test_full_backend_queue_answers_429(start_gateway, engine_idle):
