@@ -71,15 +71,19 @@ def guidellm_at(url: str, rate: float, seconds: float, output_len: int) -> tuple
     return statistics.quantiles(lags, n=100)[98], (len(done) - 1) / span if span else 0.0
 
 
-def capacity(name: str, measure, rates: list[float]) -> float:
-    best = 0.0
+def capacity(name: str, measure, rates: list[float]) -> tuple[float, float]:
+    """(highest rate kept on time, highest rate merely achieved): the first is the tool's capacity, the
+    second what it can push when send-time precision is not asked for."""
+    on_time = achieved_best = 0.0
     for rate in rates:
         lag, achieved = measure(rate)
-        ok = lag <= LAG_LIMIT_MS and achieved >= MIN_ACHIEVED * rate
+        reached = achieved >= MIN_ACHIEVED * rate
+        ok = lag <= LAG_LIMIT_MS and reached
         print(f"  {name:22s} rate {rate:6.0f}/s: p99 send lag {lag:8.2f} ms, achieved {achieved:7.1f} req/s  "
               f"{'ok' if ok else 'FALLS BEHIND'}")
-        best = rate if ok else best
-    return best
+        on_time = rate if ok else on_time
+        achieved_best = rate if reached else achieved_best
+    return on_time, achieved_best
 
 
 def agreement(n: int, input_len: int, output_len: int) -> None:
@@ -171,11 +175,15 @@ def main() -> None:
         mock.terminate()
         mock.wait(timeout=30)
     print()
-    for name, best in results.items():
-        print(f"  {name:24s} capacity {best:6.0f} req/s")
-    if results.get("guidellm"):
-        ours = max(v for k, v in results.items() if k.startswith("burstgate"))
-        print(f"  burstgate / guidellm capacity: {ours / results['guidellm']:.2f}x (goal >= 2x)")
+    for name, (on_time, reached) in results.items():
+        print(f"  {name:24s} capacity {on_time:6.0f} req/s on time (p99 lag <= {LAG_LIMIT_MS} ms), "
+              f"{reached:6.0f} req/s achieved")
+    if "guidellm" in results:
+        for i, what in enumerate(("on time", "achieved")):
+            ours = max(v[i] for k, v in results.items() if k.startswith("burstgate"))
+            theirs = results["guidellm"][i]
+            ratio = f"{ours / theirs:.2f}x" if theirs else f"inf (guidellm: none of the rates {what})"
+            print(f"  burstgate / guidellm, {what}: {ratio} (goal >= 2x)")
     if have_guidellm:
         agreement(args.agreement_requests, args.agreement_input_len, args.agreement_output_len)
 
