@@ -60,7 +60,7 @@ class MIIRestBackend(TextServerBackend):
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
-        raise_for_status(r.status, r.text[:500], {404: UnavailableError})
+        raise_for_status(r.status, r.content, {404: UnavailableError}, "message")
         try:
             reply = json_body(r.content)[0]
             yield GenerationChunk(text=reply["generated_text"], finish_reason=_mii_finish(reply["finish_reason"]),

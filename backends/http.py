@@ -218,9 +218,17 @@ class TextServerBackend(Backend):
         ``finish_reason`` and, when the server reports them, token counts in ``usage``."""
 
 
-def raise_for_status(status: int, message: str, mapping: dict[int, type[BackendError]]) -> None:
-    """Raise the error ``mapping`` names for ``status`` (default: ``UpstreamError``) unless it is 200."""
+def raise_for_status(status: int, content: bytes, mapping: dict[int, type[BackendError]],
+                     message_field: str | None = None) -> None:
+    """Unless ``status`` is 200, raise the error ``mapping`` names for it (default ``UpstreamError``),
+    with the message from the JSON body's ``message_field`` when there is one, else the body's text."""
     if status == 200:
         return
+    message = content[:500].decode("utf-8", "replace")
+    if message_field is not None:
+        try:
+            message = json.loads(content).get(message_field, message)
+        except (ValueError, AttributeError):
+            pass
     error = mapping.get(status, UpstreamError)
-    raise error(f"upstream answered {status}: {message}" if error is not InvalidRequestError else message)
+    raise error(message if error is InvalidRequestError else f"upstream answered {status}: {message}")

@@ -95,10 +95,4 @@ def _finish(reason: str | None) -> str:
 
 
 def _raise(status: int, content: bytes) -> None:
-    if status == 200:
-        return
-    try:
-        message = json_body(content).get("message", "")
-    except Exception:
-        message = content[:500].decode("utf-8", "replace")
-    raise_for_status(status, message, ERRORS)
+    raise_for_status(status, content, ERRORS, "message")

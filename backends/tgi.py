@@ -45,7 +45,7 @@ class TGIBackend(TextServerBackend):
 
     async def info(self) -> BackendInfo:
         r = await self._http.call("GET", "/info", timeout_s=5.0)
-        raise_for_status(r.status, r.text[:500], ERRORS)
+        _raise(r.status, r.content)
         info = json_body(r.content)
         return BackendInfo(model_ids=[info.get("model_id", self.upstream_model)],
                            max_model_len=info.get("max_total_tokens"), tokenizer=info.get("model_id"), extra=info)
@@ -140,10 +140,4 @@ def _status_of(error: dict) -> int:
 
 
 def _raise(status: int, content: bytes) -> None:
-    if status == 200:
-        return
-    try:
-        message = json_body(content).get("error", "")
-    except (UpstreamError, AttributeError):
-        message = content[:500].decode("utf-8", "replace")
-    raise_for_status(status, message, ERRORS)
+    raise_for_status(status, content, ERRORS, "error")

@@ -14,6 +14,7 @@ from backends.deepspeed import MIIRestBackend
 from gateway.app import create_app
 from gateway.config import DeploymentConfig, ModelRoute, Settings
 from gateway.service import Gateway
+from tests.backends.adapters import collect
 from tests.backends.native.reference import hf_greedy
 from tests.fakes.mii import create_mii_app
 from tests.servers import serve_app
@@ -26,18 +27,9 @@ def mii_url():
         yield url
 
 
-def run_mii(url: str, *, deployment="toy-deployment", prompt="say something", messages=None, cfg=None, **params):
-    async def main():
-        adapter = MIIRestBackend("toy", DeploymentConfig(kind="mii", url=url, upstream_model=deployment,
-                                                         **(cfg or {})))
-        request = GenerationRequest("r", "toy", SamplingParams(**params), prompt=None if messages else prompt,
-                                    messages=messages)
-        try:
-            return [c async for c in adapter.stream(request)]
-        finally:
-            await adapter.close()
-    chunks = asyncio.run(main())
-    return chunks, "".join(c.text for c in chunks)
+def run_mii(url: str, *, deployment="toy-deployment", cfg=None, **kw):
+    return collect(lambda: MIIRestBackend("toy", DeploymentConfig(kind="mii", url=url, upstream_model=deployment,
+                                                                  **(cfg or {}))), False, **kw)
 
 
 def test_mii_answers_in_one_chunk_with_finish_reason_and_usage(mii_url):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from backends.base import GenerationRequest, InvalidRequestError, OverloadedError, SamplingParams, UnavailableError
+from backends.base import InvalidRequestError, OverloadedError, UnavailableError
 from backends.lightllm import LightLLMBackend
 from gateway.config import DeploymentConfig
+from tests.backends.adapters import collect
 from tests.fakes.lightllm import create_lightllm_app
 from tests.servers import serve_app
 
@@ -21,17 +20,8 @@ def url():
         yield url
 
 
-def run(url: str, stream: bool = True, *, prompt="say something", messages=None, **params):
-    async def main():
-        adapter = LightLLMBackend("toy", DeploymentConfig(kind="lightllm", url=url))
-        request = GenerationRequest("r", "toy", SamplingParams(**params), prompt=None if messages else prompt,
-                                    messages=messages, stream=stream)
-        try:
-            return [c async for c in adapter.stream(request)]
-        finally:
-            await adapter.close()
-    chunks = asyncio.run(main())
-    return chunks, "".join(c.text for c in chunks)
+def run(url: str, stream: bool = True, **kw):
+    return collect(lambda: LightLLMBackend("toy", DeploymentConfig(kind="lightllm", url=url)), stream, **kw)
 
 
 @pytest.mark.parametrize("stream", [True, False])

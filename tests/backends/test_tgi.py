@@ -10,15 +10,14 @@ import pytest
 import text_generation
 
 from backends.base import (
-    GenerationRequest,
     InvalidRequestError,
     OverloadedError,
-    SamplingParams,
     UnavailableError,
     UpstreamError,
 )
 from backends.tgi import TGIBackend
 from gateway.config import DeploymentConfig
+from tests.backends.adapters import collect
 from tests.fakes.tgi import create_tgi_app
 from tests.servers import serve_app
 
@@ -31,18 +30,8 @@ def tgi_url():
         yield url
 
 
-def run(url: str, stream: bool = True, *, prompt="say something", messages=None, cfg=None, **params):
-    """(chunks, joined text) of one request through a fresh adapter."""
-    async def main():
-        adapter = TGIBackend("toy", DeploymentConfig(kind="tgi", url=url, **(cfg or {})))
-        request = GenerationRequest("r", "toy", SamplingParams(**params), prompt=None if messages else prompt,
-                                    messages=messages, stream=stream)
-        try:
-            return [c async for c in adapter.stream(request)]
-        finally:
-            await adapter.close()
-    chunks = asyncio.run(main())
-    return chunks, "".join(c.text for c in chunks)
+def run(url: str, stream: bool = True, *, cfg=None, **kw):
+    return collect(lambda: TGIBackend("toy", DeploymentConfig(kind="tgi", url=url, **(cfg or {}))), stream, **kw)
 
 
 # ------------------------------------------------------------------------- the fake is TGI's format

@@ -41,13 +41,19 @@ def create_lightllm_app(model: str = "toy/lightllm", busy: bool = False) -> Star
     def finish(step: toy_model.Step) -> str | None:
         return {"length": "length", None: None}.get(step.finish_reason, "stop")
 
-    async def generate(request: Request) -> Response:
+    async def admitted(request: Request) -> tuple[str, dict] | Response:
         body = await request.json()
-        inputs, p = body.pop("inputs"), body["parameters"]
         if busy:
             return error(503, "server is busy")
-        if (message := verify(p)) is not None:
+        if (message := verify(body["parameters"])) is not None:
             return error(417, message)
+        return body["inputs"], body["parameters"]
+
+    async def generate(request: Request) -> Response:
+        checked = await admitted(request)
+        if isinstance(checked, Response):
+            return checked
+        inputs, p = checked
         try:
             out = list(toy_model.generate(inputs, p.get("max_new_tokens", 16), p.get("stop_sequences") or []))
         except RuntimeError as exc:
@@ -57,12 +63,10 @@ def create_lightllm_app(model: str = "toy/lightllm", busy: bool = False) -> Star
                              "finish_reason": finish(out[-1]), "prompt_tokens": toy_model.prompt_tokens(inputs)})
 
     async def generate_stream(request: Request) -> Response:
-        body = await request.json()
-        inputs, p = body.pop("inputs"), body["parameters"]
-        if busy:
-            return error(503, "server is busy")
-        if (message := verify(p)) is not None:
-            return error(417, message)
+        checked = await admitted(request)
+        if isinstance(checked, Response):
+            return checked
+        inputs, p = checked
 
         async def events():
             for i, step in enumerate(toy_model.generate(inputs, p.get("max_new_tokens", 16),
