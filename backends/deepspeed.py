@@ -50,13 +50,11 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------ MII REST
 class MIIRestBackend(TextServerBackend):
     kind = "mii"
+    health_path = "/healthz"
 
     def __init__(self, model_name: str, cfg: Any) -> None:
-        super().__init__(model_name, cfg, openai_chat_path=None)
+        super().__init__(model_name, cfg)
         self.path = f"/mii/{cfg.upstream_model}"
-
-    async def health(self) -> bool:
-        return await self._http.ok("/healthz")
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})

@@ -149,9 +149,10 @@ class TextServerBackend(Backend):
     """
 
     kind = "text-server"
+    openai_chat_path: str | None = None  # where the server's OpenAI routes live, if it has them ("/v1")
+    health_path = "/health"
 
-    def __init__(self, model_name: str, cfg: Any, openai_chat_path: str | None) -> None:
-        """``openai_chat_path``: where the server's OpenAI routes live, if it has them (``/v1``)."""
+    def __init__(self, model_name: str, cfg: Any) -> None:
         self.name = f"{self.kind}:{cfg.url}"
         self.base_url = cfg.url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
@@ -159,16 +160,19 @@ class TextServerBackend(Backend):
         self._chat_server = None
         self._template_path = cfg.tokenizer if cfg.chat == "template" else None
         self._tokenizer = None
-        if cfg.chat == "server" and openai_chat_path is not None:
+        if cfg.chat == "server" and self.openai_chat_path is not None:
             from backends.openai_http import OpenAIHTTPBackend
 
             self._chat_server = OpenAIHTTPBackend(model_name, cfg.model_copy(update={
-                "url": self.base_url + openai_chat_path}))
+                "url": self.base_url + self.openai_chat_path}))
 
     async def close(self) -> None:
         await self._http.close()
         if self._chat_server is not None:
             await self._chat_server.close()
+
+    async def health(self) -> bool:
+        return await self._http.ok(self.health_path)
 
     async def info(self) -> BackendInfo:
         return BackendInfo(model_ids=[self.upstream_model])

@@ -34,11 +34,7 @@ ERRORS = {417: InvalidRequestError, 503: OverloadedError}
 class LightLLMBackend(TextServerBackend):
     kind = "lightllm"
 
-    def __init__(self, model_name: str, cfg: Any) -> None:
-        super().__init__(model_name, cfg, openai_chat_path="/v1")
-
-    async def health(self) -> bool:
-        return await self._http.ok("/health")
+    openai_chat_path = "/v1"
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         body = {"inputs": prompt, "parameters": parameters(request.params)}

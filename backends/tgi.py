@@ -37,11 +37,7 @@ ERRORS = {422: InvalidRequestError, 400: InvalidRequestError, 413: InvalidReques
 class TGIBackend(TextServerBackend):
     kind = "tgi"
 
-    def __init__(self, model_name: str, cfg: Any) -> None:
-        super().__init__(model_name, cfg, openai_chat_path="/v1")
-
-    async def health(self) -> bool:
-        return await self._http.ok("/health")
+    openai_chat_path = "/v1"
 
     async def info(self) -> BackendInfo:
         r = await self._http.call("GET", "/info", timeout_s=5.0)
