@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.config import DeploymentConfig, ModelRoute, Settings, load_settings
+from gateway.config import DEFAULT_MODEL_NAME, DeploymentConfig, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
 
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
@@ -34,17 +34,20 @@ class Dtype(str, Enum):
 
 class BackendKind(str, Enum):
     native = "native"
+    deepspeed = "deepspeed"
 
 
-def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None, name: str | None) -> Settings:
-    """The config file's settings, with ``--model`` (a local path) served on the native engine if given."""
+def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None, name: str | None,
+                   backend: BackendKind = BackendKind.native) -> Settings:
+    """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
+    models with that one model served in-process by that engine."""
     settings = load_settings(config)
-    if model is not None:
-        if not model.exists():
-            raise typer.BadParameter(f"{model} does not exist (give a local HF directory or .gguf file)",
-                                     param_hint="--model")
-        route = ModelRoute(name=name or model.stem, deployments=[DeploymentConfig(
-            model_path=str(model), dtype=(dtype or Dtype.float32).value)])
+    if model is not None and not model.exists():
+        raise typer.BadParameter(f"{model} does not exist (give a local HF directory or .gguf file)",
+                                 param_hint="--model")
+    if model is not None or backend is not BackendKind.native:
+        route = ModelRoute(name=name or (model.stem if model else DEFAULT_MODEL_NAME), deployments=[DeploymentConfig(
+            kind=backend.value, model_path=str(model) if model else None, dtype=(dtype or Dtype.float32).value)])
         settings.models = [route]
     elif dtype is not None:
         for route in settings.routes():
@@ -61,7 +64,7 @@ def app_from_env():
 
     args = json.loads(os.environ[_SERVE_ENV])
     settings = build_settings(*(Path(a) if a else None for a in args[:2]),
-                              Dtype(args[2]) if args[2] else None, args[3])
+                              Dtype(args[2]) if args[2] else None, args[3], BackendKind(args[4]))
     return create_app(Gateway.from_settings(settings))
 
 
@@ -73,7 +76,7 @@ def serve(
                                                 exists=True, dir_okay=False)] = None,
     model: Annotated[Path | None, typer.Option(help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Public name for --model.")] = None,
-    backend: Annotated[BackendKind, typer.Option(help="Engine for --model.")] = BackendKind.native,
+    backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).")] = BackendKind.native,
     dtype: Annotated[Dtype | None, typer.Option(help="Native engine dtype (default float32).")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
@@ -82,12 +85,12 @@ def serve(
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = build_settings(config, model, dtype, served_model_name)
+    settings = build_settings(config, model, dtype, served_model_name, backend)
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
     if workers > 1:
         os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
-                                             dtype.value if dtype else None, served_model_name])
+                                             dtype.value if dtype else None, served_model_name, backend.value])
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
                     log_level=log_level)
         return

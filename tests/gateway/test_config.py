@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from gateway.cli import app, build_settings
+from gateway.cli import BackendKind, Dtype, app, build_settings
 from gateway.config import DEFAULT_MODEL_NAME, Settings, hash_key, load_settings
 
 YAML = """
@@ -77,6 +77,12 @@ def test_model_option_serves_a_local_path(tmp_path, smollm2_path):
     assert route.name == "mine" and route.deployments[0].model_path == str(smollm2_path)
     with pytest.raises(Exception, match="does not exist"):
         build_settings(None, tmp_path / "missing.gguf", None, None)
+
+
+def test_backend_option_serves_the_model_on_deepspeed_inference():
+    (route,) = build_settings(None, None, Dtype.bfloat16, None, BackendKind.deepspeed).routes()
+    assert route.name == DEFAULT_MODEL_NAME and route.deployments[0].kind == "deepspeed"
+    assert route.deployments[0].dtype == "bfloat16" and route.deployments[0].model_path is None
 
 
 def test_cli_help_lists_serve_options():
