@@ -7,7 +7,8 @@ memcpy-like ``index_select`` per cache and no transpose copy (the gather dominat
 Decodes are batched in groups of similar context length: gather their blocks, pad to the group's
 longest, mask, and attend with the query heads of each KV group stacked (one K/V read serves the group). Plain matmuls beat SDPA here (SDPA with a
 mask is 10x slower in bf16 on CPU). Each prefill chunk attends to its cached prefix plus its own tokens
-with a bottom-right-aligned causal mask. The same code runs on any torch device.
+with a bottom-right-aligned causal mask. On CUDA, decodes go to the Triton kernel in
+triton_attention.py instead (imported only there: CPU installs need no Triton).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_tables is not None:  # CUDA: the Triton paged kernel reads the cache in place
+        from backends.native.triton_attention import paged_decode_attention
+
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens,
+                                          scale)
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for i in range(nd, len(meta.query_lens)):
         start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]

@@ -82,6 +82,9 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # per sequence, int64
     logits_indices: torch.Tensor  # [num_sampled] flat rows whose hidden state feeds the LM head
     workspace: Workspace
+    # GPU decode kernel only: every decode's block table padded to one width, and its context length
+    decode_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
 
     @classmethod
     def build(cls, batch: Batch, block_size: int, num_blocks: int, device: torch.device,
@@ -111,6 +114,8 @@ class AttentionMetadata:
             block_tables=[i64(t) for t in batch.block_tables],
             logits_indices=i64(logits_indices),
             workspace=workspace or Workspace(),
+            decode_tables=i64(_pad(tables)) if device.type == "cuda" and nd else None,
+            decode_context_lens=i64(ctx) if device.type == "cuda" and nd else None,
         )
 
 
