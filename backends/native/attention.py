@@ -4,11 +4,13 @@ KV caches are head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]`` p
 the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` already contiguous: one
 memcpy-like ``index_select`` per cache and no transpose copy (the gather dominated CPU decode).
 
-Decodes are batched in groups of similar context length: gather their blocks, pad to the group's
-longest, mask, and attend with the query heads of each KV group stacked (one K/V read serves the group). Plain matmuls beat SDPA here (SDPA with a
+Decodes go to a paged kernel that reads the cache in place when the model runner has one: the C
+kernel of cpu_attention.py on CPU, the Triton kernel of triton_attention.py on CUDA. The pure-torch
+path (the reference, and the fallback without a C compiler) batches decodes in groups of similar
+context length: gather their blocks, pad to the group's longest, mask, and attend with the query heads
+of each KV group stacked (one K/V read serves the group); plain matmuls beat SDPA there (SDPA with a
 mask is 10x slower in bf16 on CPU). Each prefill chunk attends to its cached prefix plus its own tokens
-with a bottom-right-aligned causal mask. On CUDA, decodes go to the Triton kernel in
-triton_attention.py instead (imported only there: CPU installs need no Triton).
+with a bottom-right-aligned causal mask.
 """
 
 from __future__ import annotations
@@ -39,11 +41,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd and meta.decode_tables is not None:  # CUDA: the Triton paged kernel reads the cache in place
-        from backends.native.triton_attention import paged_decode_attention
-
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens,
-                                          scale)
+    if nd and meta.decode_tables is not None:  # a paged kernel reads the cache in place
+        kernel = _paged_decode_kernel(q.device)
+        out[:nd] = kernel(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
     elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for i in range(nd, len(meta.query_lens)):
@@ -56,6 +56,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             values = _gather(v_cache, meta.block_tables[i])[0, :, :ctx]
         out[rows] = _prefill_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
     return out
+
+
+def _paged_decode_kernel(device: torch.device):
+    # Imported here: CPU installs need no Triton, and the C kernel is built only when first used.
+    if device.type == "cuda":
+        from backends.native.triton_attention import paged_decode_attention
+    else:
+        from backends.native.cpu_attention import paged_decode_attention
+    return paged_decode_attention
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,5 +104,6 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if ctx != qlen:
         # SDPA's is_causal aligns top-left; with a cached prefix the queries sit at the bottom-right.
         mask = torch.ones(qlen, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - qlen)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=True)
+    # 4-D inputs: with 3-D ones SDPA falls back to its math path on CPU (2-3x slower than flash).
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                          scale=scale, enable_gqa=True)[0]

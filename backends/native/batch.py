@@ -82,13 +82,15 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # per sequence, int64
     logits_indices: torch.Tensor  # [num_sampled] flat rows whose hidden state feeds the LM head
     workspace: Workspace
-    # GPU decode kernel only: every decode's block table padded to one width, and its context length
+    # Paged decode kernels only (C on CPU, Triton on CUDA): every decode's block table padded to one
+    # width, and its context length; ``decode_groups`` is then empty.
     decode_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
 
     @classmethod
     def build(cls, batch: Batch, block_size: int, num_blocks: int, device: torch.device,
-              workspace: Workspace | None = None) -> AttentionMetadata:
+              workspace: Workspace | None = None, paged_decode: bool = False) -> AttentionMetadata:
+        """``paged_decode``: decodes go to a kernel that reads the cache in place, not to the gather path."""
         nd = batch.num_decodes
         starts, acc = [], 0
         for q in batch.query_lens:
@@ -100,8 +102,10 @@ class AttentionMetadata:
             return torch.tensor(x, dtype=torch.int64, device=device)
 
         tables, ctx = batch.block_tables[:nd], batch.context_lens[:nd]
-        groups = [DecodeGroup(a, b, i64(_pad(tables[a:b])), _mask(ctx[a:b], len(tables[a]) * block_size, device))
-                  for a, b in _similar_runs([len(t) for t in tables])]
+        kernel = paged_decode and nd > 0
+        groups = [] if kernel else [
+            DecodeGroup(a, b, i64(_pad(tables[a:b])), _mask(ctx[a:b], len(tables[a]) * block_size, device))
+            for a, b in _similar_runs([len(t) for t in tables])]
         return cls(
             slot_mapping=i64(batch.slot_mapping),
             block_size=block_size,
@@ -114,8 +118,8 @@ class AttentionMetadata:
             block_tables=[i64(t) for t in batch.block_tables],
             logits_indices=i64(logits_indices),
             workspace=workspace or Workspace(),
-            decode_tables=i64(_pad(tables)) if device.type == "cuda" and nd else None,
-            decode_context_lens=i64(ctx) if device.type == "cuda" and nd else None,
+            decode_tables=i64(_pad(tables)) if kernel else None,
+            decode_context_lens=i64(ctx) if kernel else None,
         )
 
 

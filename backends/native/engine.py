@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
+    attention: str = "auto"  # auto: paged decode kernel (C on CPU, Triton on CUDA) where available; torch
 
 
 @dataclass
@@ -75,7 +76,7 @@ class LLMEngine:
             config.kv_cache_bytes // kv_bytes_per_block(checkpoint.config, config.block_size, dtype), 1)
         self.runner = ModelRunner.from_checkpoint(
             checkpoint, max_model_len=self.max_model_len, dtype=dtype, device=torch.device(config.device),
-            num_blocks=num_blocks, block_size=config.block_size)
+            num_blocks=num_blocks, block_size=config.block_size, attention=config.attention)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -89,9 +90,10 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-                 model_path.name, dtype, num_blocks, config.block_size, num_blocks * config.block_size,
-                 self.max_model_len)
+        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, decode "
+                 "attention: %s", model_path.name, dtype, num_blocks, config.block_size,
+                 num_blocks * config.block_size, self.max_model_len,
+                 "paged kernel" if self.runner.paged_decode else "pure torch")
 
     # ------------------------------------------------------------------------------- admission
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

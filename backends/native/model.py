@@ -15,6 +15,7 @@ from torch import nn
 from backends.native.attention import paged_attention
 from backends.native.batch import AttentionMetadata
 from backends.native.config import ModelConfig
+from backends.native.linear import Linear, can_pack
 from backends.native.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -38,8 +39,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -55,8 +56,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -85,7 +86,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
@@ -101,6 +102,17 @@ class LlamaModel(nn.Module):
         return self.lm_head(x).float()
 
     # ----------------------------------------------------------------------------------- weights
+    def pack_linear_weights(self) -> bool:
+        """Repack every linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
+        and casting, since the packed copies replace the weights. Returns whether it packed."""
+        weight = self.embed_tokens.weight
+        if not can_pack(weight.dtype, weight.device):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+        return True
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this module, fusing q/k/v and gate/up; every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -41,14 +41,34 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+ATTENTION_PATHS = ("auto", "torch")
+
+
+def uses_paged_kernel(attention: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      block_size: int) -> bool:
+    """Whether decodes run on a paged kernel: ``auto`` picks Triton on CUDA, the C kernel on CPU when it
+    builds here and takes this layout; ``torch`` keeps the pure-torch gather path everywhere."""
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"unknown attention path {attention!r}; choose one of {ATTENTION_PATHS}")
+    if attention == "torch":
+        return False
+    if device.type == "cuda":
+        return True
+    from backends.native import cpu_attention
+
+    return cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention: str = "auto") -> None:
         self.model = model
         cfg = model.config
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.paged_decode = uses_paged_kernel(attention, cfg, self.dtype, self.device, block_size)
+        self.packed_weights = model.pack_linear_weights()
         self.workspace = Workspace()
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see attention.py
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -57,15 +77,17 @@ class ModelRunner:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, *, max_model_len: int, dtype: torch.dtype,
-                        device: torch.device, num_blocks: int, block_size: int) -> ModelRunner:
+                        device: torch.device, num_blocks: int, block_size: int, attention: str = "auto"
+                        ) -> ModelRunner:
         model = build_model(checkpoint.config, max_model_len, torch.float32, device)
         model.load_weights(checkpoint.tensors())
-        return cls(model.to(dtype=dtype), num_blocks, block_size)
+        return cls(model.to(dtype=dtype), num_blocks, block_size, attention)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
-        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.workspace)
+        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.workspace,
+                                       self.paged_decode)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta)

@@ -1,0 +1,130 @@
+/* Paged decode attention for CPUs: one query token per sequence, keys and values read in place from
+ * the head-major paged cache [num_kv_heads, num_blocks, block_size, head_dim] (no gather copy).
+ *
+ * One task per (sequence, KV head), spread over OpenMP threads (the process's libgomp: the one torch
+ * has loaded already). A task walks the sequence's blocks once; each block is scored against every
+ * query head of the KV group while it is in cache (one K/V read serves the whole group) and folded
+ * into a running max, sum and accumulator per head (online softmax). Arithmetic is fp32; bf16
+ * storage is widened block by block.
+ *
+ * Built and loaded by cpu_attention.py; the pure-torch path in attention.py is the reference.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK_SIZE 64
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static void widen(const uint16_t *src, float *dst, int64_t n) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* Fold n keys/values (rows of d floats) into the running softmax state of `group` query heads. */
+static void attend_block(const float *k, const float *v, int64_t n, int64_t d, int64_t group, int first,
+                         float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
+    float p[MAX_BLOCK_SIZE];
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+            float score = 0.0f;
+            #pragma omp simd reduction(+:score)
+            for (int64_t i = 0; i < d; i++) score += q[g][i] * k[t * d + i];
+            p[t] = score;
+            top = score > top ? score : top;
+        }
+        if (first || top > m[g]) { /* a new maximum: rescale what was summed under the old one */
+            const float alpha = first ? 0.0f : expf(m[g] - top);
+            l[g] *= alpha;
+            #pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[g][i] *= alpha;
+            m[g] = top;
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            p[t] = expf(p[t] - m[g]);
+            sum += p[t];
+        }
+        l[g] += sum;
+        for (int64_t t = 0; t < n; t++) {
+            const float w = p[t];
+            #pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[g][i] += w * v[t * d + i];
+        }
+    }
+}
+
+/* Whether the kernel handles this layout (fixed-size per-task buffers bound it). */
+int paged_decode_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP &&
+           head_dim <= MAX_HEAD_DIM && block_size <= MAX_BLOCK_SIZE;
+}
+
+/* out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s] for every sequence s and query head h.
+ * q, out: [num_seqs, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
+ * block_tables: num_seqs rows of table_stride int64; context_lens: [num_seqs] int64, each >= 1.
+ * Returns 0, or -1 for a layout paged_decode_supported refuses. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                           int64_t table_stride, const int64_t *context_lens, void *out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
+                           int64_t head_dim, float scale, int is_bf16) {
+    if (!paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim;
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+            float kbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
+            const int64_t head0 = (s * num_heads + h * group) * d;
+            for (int64_t g = 0; g < group; g++) {
+                for (int64_t i = 0; i < d; i++) {
+                    const int64_t at = head0 + g * d + i;
+                    qf[g][i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale;
+                    acc[g][i] = 0.0f;
+                }
+                l[g] = 0.0f;
+            }
+            const int64_t ctx = context_lens[s];
+            for (int64_t start = 0; start < ctx; start += block_size) {
+                const int64_t block = block_tables[s * table_stride + start / block_size];
+                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
+                const int64_t base = (h * num_blocks + block) * block_size * d;
+                const float *k = (const float *)k_cache + base, *v = (const float *)v_cache + base;
+                if (is_bf16) {
+                    widen((const uint16_t *)k_cache + base, kbuf, n * d);
+                    widen((const uint16_t *)v_cache + base, vbuf, n * d);
+                    k = kbuf;
+                    v = vbuf;
+                }
+                attend_block(k, v, n, d, group, start == 0, qf, acc, m, l);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const float inv = 1.0f / l[g];
+                for (int64_t i = 0; i < d; i++) {
+                    const int64_t at = head0 + g * d + i;
+                    if (is_bf16) ((uint16_t *)out)[at] = f32_to_bf16(acc[g][i] * inv);
+                    else ((float *)out)[at] = acc[g][i] * inv;
+                }
+            }
+        }
+    }
+    return 0;
+}
