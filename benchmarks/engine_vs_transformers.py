@@ -1,22 +1,26 @@
-"""Native engine vs transformers (and optionally vLLM, DeepSpeed-Inference) on one burst, same CPU, one run.
+"""Native engine vs transformers, vLLM and DeepSpeed-Inference on one burst, same CPU, one run.
 
 Workload (issue #2): N requests, input lengths uniform in [32, 512], output lengths uniform in [16, 256],
 ignore_eos, seeded, all sent at t=0. Peers:
   (a) transformers, one padded ``generate`` batch of all requests (static batching);
   (b) transformers, one request at a time (timed on a subset and scaled; the output says so);
-  (c) vLLM's OpenAI server, when ``--vllm-url`` points at one serving the same model (see --help);
+  (c) vLLM's OpenAI server: ``--vllm`` starts the CPU build from .peers/vllm (``make peers``) for each
+      dtype, or ``--vllm-url`` points at a server already serving the same model;
   (d) DeepSpeed-Inference (``init_inference``, no kernel injection), when deepspeed is installed.
 Throughput is useful output tokens (each request's own length) per wall-clock second, prefill included.
+The engine and vLLM run ``--repeats`` interleaved rounds (each round's prompts differ in their first
+token, so no prefix cache carries over) and the best round counts: this shared machine is noisy.
 Also printed: the engine's model FLOP/s (2 × parameters × tokens processed / s) against this machine's
 matmul peak measured in the same run.
 
-    python benchmarks/engine_vs_transformers.py --dtype float32 --dtype bfloat16
+    python benchmarks/engine_vs_transformers.py --dtype float32 --dtype bfloat16 --vllm --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -45,6 +49,10 @@ class Workload:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def round(self, r: int) -> Workload:
+        """The same lengths with a round-specific first token: no prefix cache hit across rounds."""
+        return Workload([[3 + r] + p[1:] for p in self.prompts], self.outputs)
+
 
 def make_workload(tokenizer, n: int, in_range: tuple[int, int], out_range: tuple[int, int], seed: int) -> Workload:
     rng = random.Random(seed)
@@ -63,15 +71,19 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> floa
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def run_native(w: Workload, dtype: str, tokenizer) -> tuple[float, float]:
-    engine = LLMEngine(EngineConfig(dtype=dtype, max_model_len=1024, enable_prefix_caching=False), tokenizer=tokenizer)
-    engine.generate([w.prompts[0][:32]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+def native_engine(dtype: str, tokenizer) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(dtype=dtype, max_model_len=1024), tokenizer=tokenizer)
+    engine.generate([list(range(100, 132))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    return engine
+
+
+def run_native(engine: LLMEngine, w: Workload) -> float:
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in w.outputs]
     start = time.perf_counter()
     outs = engine.generate(w.prompts, params)
     elapsed = time.perf_counter() - start
     assert [o.completion_tokens for o in outs] == w.outputs
-    return elapsed, engine.model_config.num_parameters()
+    return elapsed
 
 
 def hf_model(dtype: torch.dtype):
@@ -118,7 +130,7 @@ def run_deepspeed(w: Workload, dtype: torch.dtype, pad_id: int) -> float | None:
     return run_hf_static(model.module, w, pad_id)
 
 
-def run_openai_server(url: str, model: str, w: Workload) -> float:
+def run_openai_server(url: str, model: str, w: Workload, warm_up: bool = False) -> float:
     """Burst the workload at an OpenAI-compatible server (e.g. vLLM) with token-id prompts."""
     import httpx
 
@@ -129,12 +141,34 @@ def run_openai_server(url: str, model: str, w: Workload) -> float:
                                                                   "temperature": 0, "ignore_eos": True})
                 r.raise_for_status()
                 assert r.json()["usage"]["completion_tokens"] == o, r.json()["usage"]
-            await asyncio.gather(*(one(p[:32], 4) for p in w.prompts[:8]))  # warm-up: first requests JIT kernels
+            if warm_up:  # the first requests JIT kernels
+                await asyncio.gather(*(one(list(range(100 + i, 132 + i)), 4) for i in range(8)))
             start = time.perf_counter()
             await asyncio.gather(*(one(p, o) for p, o in zip(w.prompts, w.outputs)))
             return time.perf_counter() - start
 
     return asyncio.run(burst())
+
+
+@contextlib.contextmanager
+def vllm_server(args, dtype: str):
+    """(base URL, model name) of the vLLM server for ``dtype``: started here with --vllm, else --vllm-url."""
+    if not args.vllm:
+        yield (args.vllm_url, args.vllm_model) if args.vllm_url else None
+        return
+    from peers import PEERS, free_port, start_vllm
+
+    port = free_port()
+    proc = start_vllm(port, "smollm2", dtype, log=PEERS / f"vllm-{dtype}.log")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", "smollm2"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _rounds(seconds: list[float]) -> str:
+    return ", ".join(f"{t:.1f}" for t in seconds) + " s"
 
 
 def main() -> None:
@@ -146,9 +180,10 @@ def main() -> None:
     ap.add_argument("--dtype", action="append", choices=["float32", "bfloat16"])
     ap.add_argument("--sequential-subset", type=int, default=4, help="requests timed one at a time, then scaled")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--vllm-url", help="base URL (…/v1) of a vLLM server serving the same model")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds of engine and vLLM; best counts")
+    ap.add_argument("--vllm", action="store_true", help="start vLLM from .peers/vllm for each dtype (make peers)")
+    ap.add_argument("--vllm-url", help="base URL (…/v1) of a vLLM server already serving the same model")
     ap.add_argument("--vllm-model", default="smollm2")
-    ap.add_argument("--vllm-dtype", default="float32", help="the dtype the vLLM server was started with (label)")
     ap.add_argument("--out", type=Path, default=Path("results/engine_vs_transformers.json"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -165,14 +200,28 @@ def main() -> None:
     for dtype_name in args.dtype or ["float32"]:
         dtype = getattr(torch, dtype_name)
         peak = matmul_peak(dtype)
-        t_native, params = run_native(w, dtype_name, tokenizer)
+        engine = native_engine(dtype_name, tokenizer)
+        params = engine.model_config.num_parameters()
+        native_s, vllm_s = [], []
+        with vllm_server(args, dtype_name) as vllm:
+            for r in range(args.repeats):
+                native_s.append(run_native(engine, w.round(r)))
+                if vllm:
+                    vllm_s.append(run_openai_server(*vllm, w.round(r), warm_up=r == 0))
+        del engine
+        t_native = min(native_s)
         native_tps = w.useful_output_tokens / t_native
         flops = 2 * params * (w.prompt_tokens + w.useful_output_tokens) / t_native
-        row = {"native_tok_s": native_tps, "native_s": t_native, "model_flops": flops, "matmul_peak_flops": peak,
+        row = {"native_tok_s": native_tps, "native_s": native_s, "model_flops": flops, "matmul_peak_flops": peak,
                "mfu": flops / peak}
-        print(f"\n[{dtype_name}] native engine: {native_tps:8.1f} output tok/s ({t_native:.1f} s)")
+        print(f"\n[{dtype_name}] native engine: {native_tps:8.1f} output tok/s (best of {_rounds(native_s)})")
         print(f"[{dtype_name}] model FLOP/s {flops / 1e9:.1f} G = {flops / peak:.0%} of measured matmul peak "
               f"({peak / 1e9:.1f} GFLOP/s)")
+        if vllm_s:
+            vllm_tps = w.useful_output_tokens / min(vllm_s)
+            row.update(vllm_tok_s=vllm_tps, vllm_s=vllm_s, ratio_vs_vllm=native_tps / vllm_tps)
+            print(f"[{dtype_name}] vLLM ({dtype_name} server): {vllm_tps:8.1f} tok/s (best of {_rounds(vllm_s)}); "
+                  f"native / vLLM = {native_tps / vllm_tps:.2f}x   (goal >= 1.0x)")
         if not args.skip_hf:
             model = hf_model(dtype)
             t_static = run_hf_static(model, w, pad)
@@ -191,12 +240,6 @@ def main() -> None:
                 row.update(deepspeed_tok_s=ds_tps, ratio_vs_deepspeed=native_tps / ds_tps)
                 print(f"[{dtype_name}] DeepSpeed-Inference static batch: {ds_tps:8.1f} tok/s; native / DS = "
                       f"{native_tps / ds_tps:.2f}x")
-        if args.vllm_url:
-            t_vllm = run_openai_server(args.vllm_url, args.vllm_model, w)
-            vllm_tps = w.useful_output_tokens / t_vllm
-            row.update(vllm_tok_s=vllm_tps, ratio_vs_vllm=native_tps / vllm_tps)
-            print(f"[{dtype_name}] vLLM ({args.vllm_dtype} server): {vllm_tps:8.1f} tok/s; native / vLLM = "
-                  f"{native_tps / vllm_tps:.2f}x   (goal >= 1.0x)")
         results[dtype_name] = row
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

@@ -27,8 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-# Fast math without finite-math-only: the kernel starts its running maxima at -inf.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+# Fast math lets the compiler vectorise reductions and exp (libmvec); the kernel never meets inf or NaN
+# on valid inputs (running maxima start at -FLT_MAX).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

@@ -32,7 +32,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     tokens = torch.empty(len(seqs), dtype=torch.int64)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     random = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if greedy:
+    if len(greedy) == len(seqs):  # no row copy when the whole batch is greedy
+        tokens = logits.argmax(dim=-1)
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     if random:
         tokens[random] = _draw(logits[random], [seqs[i] for i in random])

@@ -10,6 +10,7 @@
  * Built and loaded by cpu_attention.py; the pure-torch path in attention.py is the reference.
  */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,12 +39,14 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
-/* Fold n keys/values (rows of d floats) into the running softmax state of `group` query heads. */
-static void attend_block(const float *k, const float *v, int64_t n, int64_t d, int64_t group, int first,
-                         float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
+/* Fold n keys/values (rows of d floats) into the running softmax state of `group` query heads.
+ * Inlined at call sites with a constant d, so the per-head row loops unroll and stay in registers. */
+static inline __attribute__((always_inline)) void attend_block(
+        const float *k, const float *v, int64_t n, const int64_t d, int64_t group, int first,
+        float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
     float p[MAX_BLOCK_SIZE];
     for (int64_t g = 0; g < group; g++) {
-        float top = -INFINITY;
+        float top = -FLT_MAX;
         for (int64_t t = 0; t < n; t++) {
             float score = 0.0f;
             #pragma omp simd reduction(+:score)
@@ -51,24 +54,26 @@ static void attend_block(const float *k, const float *v, int64_t n, int64_t d, i
             p[t] = score;
             top = score > top ? score : top;
         }
-        if (first || top > m[g]) { /* a new maximum: rescale what was summed under the old one */
-            const float alpha = first ? 0.0f : expf(m[g] - top);
-            l[g] *= alpha;
-            #pragma omp simd
-            for (int64_t i = 0; i < d; i++) acc[g][i] *= alpha;
-            m[g] = top;
-        }
+        /* A new maximum rescales what was summed under the old one (nothing was, for the first block). */
+        const float m_new = first || top > m[g] ? top : m[g];
+        const float alpha = first ? 0.0f : expf(m[g] - m_new);
         float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
         for (int64_t t = 0; t < n; t++) {
-            p[t] = expf(p[t] - m[g]);
+            p[t] = expf(p[t] - m_new);
             sum += p[t];
         }
-        l[g] += sum;
+        float row[MAX_HEAD_DIM];
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) row[i] = 0.0f;
         for (int64_t t = 0; t < n; t++) {
-            const float w = p[t];
             #pragma omp simd
-            for (int64_t i = 0; i < d; i++) acc[g][i] += w * v[t * d + i];
+            for (int64_t i = 0; i < d; i++) row[i] += p[t] * v[t * d + i];
         }
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) acc[g][i] = acc[g][i] * alpha + row[i];
+        l[g] = l[g] * alpha + sum;
+        m[g] = m_new;
     }
 }
 
@@ -114,7 +119,11 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                     k = kbuf;
                     v = vbuf;
                 }
-                attend_block(k, v, n, d, group, start == 0, qf, acc, m, l);
+                switch (d) { /* constant head sizes: unrolled, vectorised row loops */
+                case 64: attend_block(k, v, n, 64, group, start == 0, qf, acc, m, l); break;
+                case 128: attend_block(k, v, n, 128, group, start == 0, qf, acc, m, l); break;
+                default: attend_block(k, v, n, d, group, start == 0, qf, acc, m, l);
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 const float inv = 1.0f / l[g];
