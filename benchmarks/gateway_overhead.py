@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PEERS, free_port, wait_ready  # noqa: E402
@@ -39,12 +39,15 @@ async def load(url: str, model: str, n: int, concurrency: int, headers: dict) ->
     latencies: list[float] = []
     gate = asyncio.Semaphore(concurrency)
     body = {"model": model, "prompt": "hello world", "max_tokens": 16}
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+    # aiohttp: the lightest asyncio client here, so the servers, not the client, set the pace.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60),
+                                     connector=aiohttp.TCPConnector(limit=concurrency * 2)) as client:
         async def one():
             async with gate:
                 t = time.perf_counter()
-                r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
-                r.raise_for_status()
+                async with client.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                    r.raise_for_status()
+                    await r.read()
                 latencies.append(time.perf_counter() - t)
         for _ in range(min(20, n)):  # warm connections and code paths
             await one()

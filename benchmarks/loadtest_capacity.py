@@ -8,7 +8,7 @@
    token throughput and median TTFT are compared.
 
     make peers-guidellm     # guidellm 0.8.1 in .peers/guidellm (CPU torch first)
-    python benchmarks/loadtest_capacity.py --rates 100,200,400,800,1600 --seconds 5
+    python benchmarks/loadtest_capacity.py --rates 100,200,400,800,1600,3200 --seconds 5
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def compare(title: str, url: str, model: str, specs: list[RequestSpec], input_le
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="100,200,400,800,1600")
+    ap.add_argument("--rates", default="100,200,400,800,1600,3200")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--output-len", type=int, default=8)
