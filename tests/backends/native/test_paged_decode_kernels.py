@@ -150,6 +150,13 @@ def test_the_kernel_is_built_once_into_the_cache_dir(monkeypatch, tmp_path):
         cpu_attention.load.cache_clear()
 
 
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    # A library linked with -ffast-math would switch on flush-to-zero for everyone at load time.
+    assert cpu_attention.load() is not None
+    assert 5e-324 * 1.0 > 0.0  # subnormals survive
+    assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0
+
+
 def test_attention_path_is_chosen_by_config():
     cfg = _tiny_config()
     assert uses_paged_kernel("auto", cfg, torch.float32, torch.device("cpu"), 16)
