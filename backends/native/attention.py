@@ -5,7 +5,8 @@ the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` 
 memcpy-like ``index_select`` per cache and no transpose copy (the gather dominated CPU decode).
 
 Decodes go to a paged kernel that reads the cache in place when the model runner has one: the C
-kernel of cpu_attention.py on CPU, the Triton kernel of triton_attention.py on CUDA. The pure-torch
+kernel of cpu_attention.py on CPU, the Triton kernel of triton_attention.py on CUDA; on CPU prefill
+chunks go to cpu_attention.py's causal kernel the same way. The pure-torch
 path (the reference, and the fallback without a C compiler) batches decodes in groups of similar
 context length: gather their blocks, pad to the group's longest, mask, and attend with the query heads
 of each KV group stacked (one K/V read serves the group); plain matmuls beat SDPA there (SDPA with a
@@ -46,6 +47,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[:nd] = kernel(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
     elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    if meta.prefill_tables is not None:  # the C prefill kernel reads prefixes and new keys from the cache
+        from backends.native.cpu_attention import paged_prefill_attention
+
+        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
+                                           meta.prefill_query_lens, meta.prefill_context_lens, scale)
+        return out
     for i in range(nd, len(meta.query_lens)):
         start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]
         rows = slice(start, start + qlen)

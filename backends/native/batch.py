@@ -86,11 +86,18 @@ class AttentionMetadata:
     # width, and its context length; ``decode_groups`` is then empty.
     decode_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
+    # Paged prefill kernel only (C on CPU): the same for the prefill chunks, with each chunk's first row
+    # (counted from the first prefill token) and length; ``block_tables`` is then empty.
+    prefill_tables: torch.Tensor | None = None
+    prefill_query_starts: torch.Tensor | None = None
+    prefill_query_lens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
 
     @classmethod
     def build(cls, batch: Batch, block_size: int, num_blocks: int, device: torch.device,
-              workspace: Workspace | None = None, paged_decode: bool = False) -> AttentionMetadata:
-        """``paged_decode``: decodes go to a kernel that reads the cache in place, not to the gather path."""
+              workspace: Workspace | None = None, paged_decode: bool = False,
+              paged_prefill: bool = False) -> AttentionMetadata:
+        """``paged_decode`` / ``paged_prefill``: those sequences go to kernels that read the cache in place."""
         nd = batch.num_decodes
         starts, acc = [], 0
         for q in batch.query_lens:
@@ -103,6 +110,7 @@ class AttentionMetadata:
 
         tables, ctx = batch.block_tables[:nd], batch.context_lens[:nd]
         kernel = paged_decode and nd > 0
+        prefill_kernel = paged_prefill and nd < len(batch.query_lens)
         groups = [] if kernel else [
             DecodeGroup(a, b, i64(_pad(tables[a:b])), _mask(ctx[a:b], len(tables[a]) * block_size, device))
             for a, b in _similar_runs([len(t) for t in tables])]
@@ -115,11 +123,15 @@ class AttentionMetadata:
             query_starts=starts,
             query_lens=list(batch.query_lens),
             context_lens=list(batch.context_lens),
-            block_tables=[i64(t) for t in batch.block_tables],
+            block_tables=[] if prefill_kernel else [i64(t) for t in batch.block_tables],
             logits_indices=i64(logits_indices),
             workspace=workspace or Workspace(),
             decode_tables=i64(_pad(tables)) if kernel else None,
             decode_context_lens=i64(ctx) if kernel else None,
+            prefill_tables=i64(_pad(batch.block_tables[nd:])) if prefill_kernel else None,
+            prefill_query_starts=i64([start - nd for start in starts[nd:]]) if prefill_kernel else None,
+            prefill_query_lens=i64(batch.query_lens[nd:]) if prefill_kernel else None,
+            prefill_context_lens=i64(batch.context_lens[nd:]) if prefill_kernel else None,
         )
 
 

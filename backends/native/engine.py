@@ -34,7 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
-    attention: str = "auto"  # auto: paged decode kernel (C on CPU, Triton on CUDA) where available; torch
+    attention: str = "auto"  # auto: paged kernels (C on CPU, Triton decode on CUDA) where available; torch
 
 
 @dataclass
@@ -90,10 +90,11 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, decode "
-                 "attention: %s", model_path.name, dtype, num_blocks, config.block_size,
+        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, attention: "
+                 "%s", model_path.name, dtype, num_blocks, config.block_size,
                  num_blocks * config.block_size, self.max_model_len,
-                 "paged kernel" if self.runner.paged_decode else "pure torch")
+                 {(True, True): "paged kernels", (True, False): "paged decode kernel, SDPA prefill"}.get(
+                     (self.runner.paged_decode, self.runner.paged_prefill), "pure torch"))
 
     # ------------------------------------------------------------------------------- admission
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -44,19 +44,21 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 ATTENTION_PATHS = ("auto", "torch")
 
 
-def uses_paged_kernel(attention: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      block_size: int) -> bool:
-    """Whether decodes run on a paged kernel: ``auto`` picks Triton on CUDA, the C kernel on CPU when it
-    builds here and takes this layout; ``torch`` keeps the pure-torch gather path everywhere."""
+def paged_kernels(attention: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  block_size: int) -> tuple[bool, bool]:
+    """Whether (decodes, prefills) run on paged kernels. ``auto``: on CUDA, Triton for decodes (SDPA for
+    prefills); on CPU, the C kernels for both when they build here and take this layout. ``torch``: the
+    pure-torch paths everywhere."""
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"unknown attention path {attention!r}; choose one of {ATTENTION_PATHS}")
     if attention == "torch":
-        return False
+        return False, False
     if device.type == "cuda":
-        return True
+        return True, False
     from backends.native import cpu_attention
 
-    return cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size)
+    cpu = cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size)
+    return cpu, cpu
 
 
 class ModelRunner:
@@ -67,7 +69,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.paged_decode = uses_paged_kernel(attention, cfg, self.dtype, self.device, block_size)
+        self.paged_decode, self.paged_prefill = paged_kernels(attention, cfg, self.dtype, self.device, block_size)
         self.packed_weights = model.pack_linear_weights()
         self.workspace = Workspace()
         shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see attention.py
@@ -87,7 +89,7 @@ class ModelRunner:
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
         meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.workspace,
-                                       self.paged_decode)
+                                       self.paged_decode, self.paged_prefill)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta)

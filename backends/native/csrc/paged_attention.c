@@ -84,13 +84,14 @@ int paged_decode_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head
 }
 
 /* out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s] for every sequence s and query head h.
- * q, out: [num_seqs, num_heads, head_dim]; caches: [num_kv_heads, num_blocks, block_size, head_dim];
+ * q: [num_seqs, num_heads, head_dim] with q_stride elements between sequences (heads contiguous);
+ * out: the same shape, contiguous; caches: [num_kv_heads, num_blocks, block_size, head_dim];
  * block_tables: num_seqs rows of table_stride int64; context_lens: [num_seqs] int64, each >= 1.
  * Returns 0, or -1 for a layout paged_decode_supported refuses. */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
-                           int64_t table_stride, const int64_t *context_lens, void *out, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                           int64_t head_dim, float scale, int is_bf16) {
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, void *out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                           int64_t block_size, int64_t head_dim, float scale, int is_bf16) {
     if (!paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -98,10 +99,10 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         for (int64_t h = 0; h < num_kv_heads; h++) {
             float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
             float kbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
-            const int64_t head0 = (s * num_heads + h * group) * d;
+            const int64_t head0 = (s * num_heads + h * group) * d, q0 = s * q_stride + h * group * d;
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t i = 0; i < d; i++) {
-                    const int64_t at = head0 + g * d + i;
+                    const int64_t at = q0 + g * d + i;
                     qf[g][i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale;
                     acc[g][i] = 0.0f;
                 }
@@ -132,6 +133,126 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                     if (is_bf16) ((uint16_t *)out)[at] = f32_to_bf16(acc[g][i] * inv);
                     else ((float *)out)[at] = acc[g][i] * inv;
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------- prefill (causal) */
+#define TILE_ROWS 64 /* query rows (query tokens x query heads of one KV group) one task scores together */
+
+/* Fold one block of keys into the running softmax state of `rows` query rows. kt holds the block's keys
+ * transposed (kt[i * bs + t]), so a row's scores against all bs keys build up as bs-wide vector FMAs
+ * over the head dimension: no horizontal sums. Key t sits at position key0 + t; row r sees keys up to
+ * pos[r] (causal). Every row sees key 0, and block 0 comes first, so every running max starts real. */
+static inline __attribute__((always_inline)) void prefill_block(
+        const float *kt, const float *v, const int64_t bs, int64_t n, const int64_t d, int64_t rows,
+        const int64_t *pos, int64_t key0, float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
+    float s[TILE_ROWS][MAX_BLOCK_SIZE];
+    for (int64_t r = 0; r < rows; r++) {
+        #pragma omp simd
+        for (int64_t t = 0; t < bs; t++) s[r][t] = 0.0f;
+    }
+    for (int64_t i = 0; i < d; i++) {
+        const float *ki = kt + i * bs;
+        for (int64_t r = 0; r < rows; r++) {
+            const float qi = q[r][i];
+            #pragma omp simd
+            for (int64_t t = 0; t < bs; t++) s[r][t] += qi * ki[t];
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t visible = pos[r] - key0 + 1 < n ? pos[r] - key0 + 1 : n;
+        if (visible <= 0) continue;
+        float top = -FLT_MAX;
+        for (int64_t t = 0; t < visible; t++) top = s[r][t] > top ? s[r][t] : top;
+        const int first = key0 == 0;
+        const float m_new = first || top > m[r] ? top : m[r];
+        const float alpha = first ? 0.0f : expf(m[r] - m_new);
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = 0; t < visible; t++) {
+            s[r][t] = expf(s[r][t] - m_new);
+            sum += s[r][t];
+        }
+        float row[MAX_HEAD_DIM];
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) row[i] = acc[r][i] * alpha;
+        for (int64_t t = 0; t < visible; t++) {
+            const float p = s[r][t];
+            #pragma omp simd
+            for (int64_t i = 0; i < d; i++) row[i] += p * v[t * d + i];
+        }
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) acc[r][i] = row[i];
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+    }
+}
+
+/* Causal attention for prefill chunks, reading all keys (cached prefix and this chunk's, already written)
+ * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
+ * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
+ * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of
+ * TILE_ROWS / group queries). Returns 0, or -1 for a layout paged_decode_supported refuses. */
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            const int64_t *block_tables,
+                            int64_t table_stride, const int64_t *query_starts, const int64_t *query_lens,
+                            const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                            float scale, int is_bf16) {
+    if (!paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = TILE_ROWS / group;
+    int64_t tiles = 0; /* tiles before each sequence: tasks are numbered (tile, KV head) */
+    for (int64_t s = 0; s < num_seqs; s++) tiles += (query_lens[s] + tile - 1) / tile;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
+        const int64_t h = task % num_kv_heads;
+        int64_t t0 = task / num_kv_heads, s = 0;
+        while (t0 >= (query_lens[s] + tile - 1) / tile) t0 -= (query_lens[s++] + tile - 1) / tile;
+        const int64_t first_q = t0 * tile, nq = query_lens[s] - first_q < tile ? query_lens[s] - first_q : tile;
+        const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
+        float qf[TILE_ROWS][MAX_HEAD_DIM], acc[TILE_ROWS][MAX_HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];
+        float kt[MAX_HEAD_DIM * MAX_BLOCK_SIZE], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
+        int64_t pos[TILE_ROWS];
+        for (int64_t r = 0; r < rows; r++) { /* row r: query first_q + r / group, head h * group + r % group */
+            const int64_t at = (query_starts[s] + first_q + r / group) * q_stride + (h * group + r % group) * d;
+            for (int64_t i = 0; i < d; i++) {
+                qf[r][i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at + i]) : ((const float *)q)[at + i]) * scale;
+                acc[r][i] = 0.0f;
+            }
+            pos[r] = prefix + first_q + r / group;
+            l[r] = 0.0f;
+        }
+        const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
+        for (int64_t key0 = 0; key0 < keys; key0 += block_size) {
+            const int64_t block = block_tables[s * table_stride + key0 / block_size];
+            const int64_t n = keys - key0 < block_size ? keys - key0 : block_size;
+            const int64_t base = (h * num_blocks + block) * block_size * d;
+            for (int64_t t = 0; t < block_size; t++) { /* transpose keys (zeros past n), widen values */
+                for (int64_t i = 0; i < d; i++) {
+                    const int64_t at = base + t * d + i;
+                    const float kv = t < n ? (is_bf16 ? bf16_to_f32(((const uint16_t *)k_cache)[at])
+                                                      : ((const float *)k_cache)[at]) : 0.0f;
+                    kt[i * block_size + t] = kv;
+                }
+            }
+            const float *v = (const float *)v_cache + base;
+            if (is_bf16) {
+                widen((const uint16_t *)v_cache + base, vbuf, n * d);
+                v = vbuf;
+            }
+            if (block_size == 16 && d == 64) prefill_block(kt, v, 16, n, 64, rows, pos, key0, qf, acc, m, l);
+            else if (block_size == 16 && d == 128) prefill_block(kt, v, 16, n, 128, rows, pos, key0, qf, acc, m, l);
+            else prefill_block(kt, v, block_size, n, d, rows, pos, key0, qf, acc, m, l);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
+            const float inv = 1.0f / l[r];
+            for (int64_t i = 0; i < d; i++) {
+                if (is_bf16) ((uint16_t *)out)[at + i] = f32_to_bf16(acc[r][i] * inv);
+                else ((float *)out)[at + i] = acc[r][i] * inv;
             }
         }
     }

@@ -1,6 +1,7 @@
-"""The paged decode kernels read the cache in place and agree with plain softmax attention over each
-sequence's gathered blocks: the C kernel (CPU, built here) and the Triton kernel (CUDA, run on CPU
-under Triton's interpreter). The pure-torch gather path is held to the same reference."""
+"""The paged attention kernels read the cache in place and agree with plain softmax attention over each
+sequence's gathered blocks. Decode: the C kernel (CPU, built here), the Triton kernel (CUDA, run on CPU
+under Triton's interpreter) and the pure-torch gather path. Prefill: the C causal kernel against the
+pure-torch SDPA path, with and without cached prefixes."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernel is decorated: run on CPU tensors
 
 from backends.native import cpu_attention  # noqa: E402
-from backends.native.attention import _decode_attention  # noqa: E402
+from backends.native.attention import _decode_attention, _prefill_attention  # noqa: E402
 from backends.native.batch import AttentionMetadata, Batch  # noqa: E402
 from backends.native.config import ModelConfig  # noqa: E402
-from backends.native.model_runner import uses_paged_kernel  # noqa: E402
+from backends.native.model_runner import paged_kernels  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and (
     os.environ["TRITON_INTERPRET"] == "1" or torch.cuda.is_available())
@@ -93,6 +94,53 @@ def test_c_kernel_reads_bf16_caches_and_answers_in_bf16(hq, hkv, d):
     torch.testing.assert_close(got.float(), reference(*args), atol=1e-2, rtol=1e-2)
 
 
+def prefill_inputs(hq, hkv, d, dtype=torch.float32):
+    """Prefill chunks of several lengths, some after a cached prefix, over scattered blocks; q is a strided
+    view (as the model's fused q/k rotation leaves it)."""
+    torch.manual_seed(0)
+    chunks = [(0, 1), (0, 16), (0, 70), (5, 11), (32, 40), (100, 3), (0, 200)]  # (cached prefix, new tokens)
+    k_cache = torch.randn(hkv, NUM_BLOCKS * 2, BLOCK_SIZE, d).to(dtype)
+    v_cache = torch.randn(hkv, NUM_BLOCKS * 2, BLOCK_SIZE, d).to(dtype)
+    need = [(p + n + BLOCK_SIZE - 1) // BLOCK_SIZE for p, n in chunks]
+    order = torch.randperm(NUM_BLOCKS * 2).tolist()
+    tables = torch.zeros(len(chunks), max(need), dtype=torch.int64)
+    for i, k in enumerate(need):
+        tables[i, :k] = torch.tensor(order[sum(need[:i]):sum(need[:i]) + k])
+    lens = torch.tensor([n for _, n in chunks])
+    starts = torch.cumsum(lens, 0) - lens
+    context = torch.tensor([p + n for p, n in chunks])
+    q = torch.randn(int(lens.sum()), hq + hkv, d).to(dtype)[:, :hq]  # strided rows
+    return q, k_cache, v_cache, tables, starts, lens, context, d ** -0.5
+
+
+def sdpa_prefill(q, k_cache, v_cache, tables, starts, lens, context, scale):
+    hkv, _, bs, d = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for i in range(len(lens)):
+        rows = slice(int(starts[i]), int(starts[i] + lens[i]))
+        blocks = tables[i, : (int(context[i]) + bs - 1) // bs]
+        keys = k_cache[:, blocks].reshape(hkv, -1, d)[:, : int(context[i])]
+        values = v_cache[:, blocks].reshape(hkv, -1, d)[:, : int(context[i])]
+        out[rows] = _prefill_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("hq, hkv, d", LAYOUTS)
+def test_c_prefill_kernel_matches_causal_sdpa_with_and_without_cached_prefixes(hq, hkv, d):
+    args = prefill_inputs(hq, hkv, d)
+    got = cpu_attention.paged_prefill_attention(*args)
+    assert got.shape == args[0].shape and got.is_contiguous()
+    torch.testing.assert_close(got, sdpa_prefill(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_c_prefill_kernel_reads_bf16_caches():
+    args = prefill_inputs(9, 3, 64, torch.bfloat16)
+    got = cpu_attention.paged_prefill_attention(*args)
+    assert got.dtype == torch.bfloat16
+    expected = sdpa_prefill(args[0].float(), args[1].float(), args[2].float(), *args[3:])
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_c_kernel_refuses_layouts_beyond_its_buffers():
     assert cpu_attention.supports(torch.float32, 9, 3, 64, 16)
     assert not cpu_attention.supports(torch.float32, 32, 1, 64, 16)  # 32 query heads per KV head
@@ -117,7 +165,7 @@ def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch, tmp_pat
         with caplog.at_level(logging.WARNING):
             assert cpu_attention.load() is None
         assert "no C compiler" in caplog.text
-        assert not uses_paged_kernel("auto", _tiny_config(), torch.float32, torch.device("cpu"), 16)
+        assert paged_kernels("auto", _tiny_config(), torch.float32, torch.device("cpu"), 16) == (False, False)
     finally:
         cpu_attention.load.cache_clear()
 
@@ -159,7 +207,8 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
 
 def test_attention_path_is_chosen_by_config():
     cfg = _tiny_config()
-    assert uses_paged_kernel("auto", cfg, torch.float32, torch.device("cpu"), 16)
-    assert not uses_paged_kernel("torch", cfg, torch.float32, torch.device("cpu"), 16)
+    assert paged_kernels("auto", cfg, torch.float32, torch.device("cpu"), 16) == (True, True)
+    assert paged_kernels("auto", cfg, torch.float32, torch.device("cuda"), 16) == (True, False)  # Triton decodes
+    assert paged_kernels("torch", cfg, torch.float32, torch.device("cpu"), 16) == (False, False)
     with pytest.raises(ValueError, match="unknown attention path"):
-        uses_paged_kernel("flash", cfg, torch.float32, torch.device("cpu"), 16)
+        paged_kernels("flash", cfg, torch.float32, torch.device("cpu"), 16)
