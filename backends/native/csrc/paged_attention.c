@@ -142,6 +142,40 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 /* ------------------------------------------------------------------------------- prefill (causal) */
 #define TILE_ROWS 64 /* query rows (query tokens x query heads of one KV group) one task scores together */
 
+typedef float v16f __attribute__((vector_size(64))); /* 16 lanes: one key block row (any ISA; GCC splits) */
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Scores of `rows` query rows against one 16-key block (transposed keys kt[i * 16 + t]): four rows at a
+ * time, so four independent FMA chains hide each other's latency and share every key load. */
+static inline __attribute__((always_inline)) void scores16(const float *kt, const int64_t d, int64_t rows,
+                                                          float q[][MAX_HEAD_DIM], float s[][MAX_BLOCK_SIZE]) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < d; i++) {
+            const v16f k = load16(kt + i * 16);
+            a0 += q[r][i] * k;
+            a1 += q[r + 1][i] * k;
+            a2 += q[r + 2][i] * k;
+            a3 += q[r + 3][i] * k;
+        }
+        memcpy(s[r], &a0, sizeof a0);
+        memcpy(s[r + 1], &a1, sizeof a1);
+        memcpy(s[r + 2], &a2, sizeof a2);
+        memcpy(s[r + 3], &a3, sizeof a3);
+    }
+    for (; r < rows; r++) {
+        v16f a = {0};
+        for (int64_t i = 0; i < d; i++) a += q[r][i] * load16(kt + i * 16);
+        memcpy(s[r], &a, sizeof a);
+    }
+}
+
 /* Fold one block of keys into the running softmax state of `rows` query rows. kt holds the block's keys
  * transposed (kt[i * bs + t]), so a row's scores against all bs keys build up as bs-wide vector FMAs
  * over the head dimension: no horizontal sums. Key t sits at position key0 + t; row r sees keys up to
@@ -150,16 +184,20 @@ static inline __attribute__((always_inline)) void prefill_block(
         const float *kt, const float *v, const int64_t bs, int64_t n, const int64_t d, int64_t rows,
         const int64_t *pos, int64_t key0, float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
     float s[TILE_ROWS][MAX_BLOCK_SIZE];
-    for (int64_t r = 0; r < rows; r++) {
-        #pragma omp simd
-        for (int64_t t = 0; t < bs; t++) s[r][t] = 0.0f;
-    }
-    for (int64_t i = 0; i < d; i++) {
-        const float *ki = kt + i * bs;
+    if (bs == 16) {
+        scores16(kt, d, rows, q, s);
+    } else {
         for (int64_t r = 0; r < rows; r++) {
-            const float qi = q[r][i];
             #pragma omp simd
-            for (int64_t t = 0; t < bs; t++) s[r][t] += qi * ki[t];
+            for (int64_t t = 0; t < bs; t++) s[r][t] = 0.0f;
+        }
+        for (int64_t i = 0; i < d; i++) {
+            const float *ki = kt + i * bs;
+            for (int64_t r = 0; r < rows; r++) {
+                const float qi = q[r][i];
+                #pragma omp simd
+                for (int64_t t = 0; t < bs; t++) s[r][t] += qi * ki[t];
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
