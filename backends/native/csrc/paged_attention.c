@@ -1,13 +1,16 @@
-/* Paged decode attention for CPUs: one query token per sequence, keys and values read in place from
- * the head-major paged cache [num_kv_heads, num_blocks, block_size, head_dim] (no gather copy).
+/* Paged attention for CPUs, reading keys and values in place from the head-major paged cache
+ * [num_kv_heads, num_blocks, block_size, head_dim] (no gather copy).
  *
- * One task per (sequence, KV head), spread over OpenMP threads (the process's libgomp: the one torch
- * has loaded already). A task walks the sequence's blocks once; each block is scored against every
- * query head of the KV group while it is in cache (one K/V read serves the whole group) and folded
- * into a running max, sum and accumulator per head (online softmax). Arithmetic is fp32; bf16
- * storage is widened block by block.
+ * Decode (one query token per sequence): one task per (sequence, KV head). A task walks the sequence's
+ * blocks once; each block is scored against every query head of the KV group while it is in cache (one
+ * K/V read serves the whole group) and folded into a running max, sum and accumulator per head (online
+ * softmax).
+ * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of queries);
+ * each key block is transposed once per task so that a tile's scores build up as vector FMAs.
  *
- * Built and loaded by cpu_attention.py; the pure-torch path in attention.py is the reference.
+ * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
+ * Arithmetic is fp32; bf16 storage is widened block by block. Built and loaded by cpu_attention.py;
+ * the pure-torch paths in attention.py are the reference.
  */
 
 #include <float.h>
@@ -78,7 +81,7 @@ static inline __attribute__((always_inline)) void attend_block(
 }
 
 /* Whether the kernel handles this layout (fixed-size per-task buffers bound it). */
-int paged_decode_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
+int paged_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP &&
            head_dim <= MAX_HEAD_DIM && block_size <= MAX_BLOCK_SIZE;
 }
@@ -87,12 +90,12 @@ int paged_decode_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head
  * q: [num_seqs, num_heads, head_dim] with q_stride elements between sequences (heads contiguous);
  * out: the same shape, contiguous; caches: [num_kv_heads, num_blocks, block_size, head_dim];
  * block_tables: num_seqs rows of table_stride int64; context_lens: [num_seqs] int64, each >= 1.
- * Returns 0, or -1 for a layout paged_decode_supported refuses. */
+ * Returns 0, or -1 for a layout paged_attention_supported refuses. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, void *out,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                            int64_t block_size, int64_t head_dim, float scale, int is_bf16) {
-    if (!paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+    if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
@@ -233,14 +236,14 @@ static inline __attribute__((always_inline)) void prefill_block(
  * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
  * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of
- * TILE_ROWS / group queries). Returns 0, or -1 for a layout paged_decode_supported refuses. */
+ * TILE_ROWS / group queries). Returns 0, or -1 for a layout paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
                             int64_t table_stride, const int64_t *query_starts, const int64_t *query_lens,
                             const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
                             float scale, int is_bf16) {
-    if (!paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+    if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = TILE_ROWS / group;
     int64_t tiles = 0; /* tiles before each sequence: tasks are numbered (tile, KV head) */
     for (int64_t s = 0; s < num_seqs; s++) tiles += (query_lens[s] + tile - 1) / tile;
