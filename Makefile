@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm peers-guidellm
+.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -56,9 +56,19 @@ lint: install-dev
 	.peers/guidellm/bin/pip install -q torch==2.13.0
 	.peers/guidellm/bin/pip install -q guidellm==0.8.1
 
+# llama.cpp's server compiles for 16-20 min here; its default native build crashes in AMX code on this
+# CPU, so the instruction sets are named explicitly.
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF
+.peers/llamacpp/.installed:
+	python3 -m venv .peers/llamacpp
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" .peers/llamacpp/bin/pip install -q 'llama-cpp-python[server]'
+	touch $@
+
 peers: .peers/vllm/bin/python
 peers-litellm: .peers/litellm/bin/litellm
 peers-guidellm: .peers/guidellm/bin/guidellm
+peers-llamacpp: .peers/llamacpp/.installed
 
 # The OpenAI adapter against real vLLM (starts it with --enforce-eager: about 50 s on this CPU).
 test-peers: install-dev peers

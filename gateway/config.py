@@ -43,7 +43,7 @@ class DeploymentConfig(_Strict):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
-    attention: Literal["auto", "torch"] = "auto"  # native: paged attention kernels where available, or pure torch
+    kernels: Literal["auto", "torch"] = "auto"  # native: compiled kernels where available, or pure torch
     # remote servers
     url: str | None = None
     upstream_model: str | None = None  # the name the remote server knows the model by (MII: deployment)

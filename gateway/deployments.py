@@ -16,7 +16,7 @@ def build_backend(model_name: str, cfg: DeploymentConfig) -> Backend:
             model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
             kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-            attention=cfg.attention))
+            kernels=cfg.kernels))
     if cfg.kind == "openai":
         from backends.openai_http import OpenAIHTTPBackend
 

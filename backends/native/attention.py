@@ -1,4 +1,4 @@
-"""Paged attention over the flat batch: KV write, then attention for decodes and prefill chunks.
+"""Paged attention over the flat batch: decodes and prefill chunks whose new keys/values are in the cache.
 
 KV caches are head-major, ``[num_kv_heads, num_blocks, block_size, head_dim]`` per layer, so a gather of
 the rows ``h * num_blocks + block`` yields ``[..., kv_head, tokens, head_dim]`` already contiguous: one
@@ -38,8 +38,8 @@ def gather_rows(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention output [T, Hq, D] for queries ``q`` [T, Hq, D] whose ``k``/``v`` [T, Hkv, D] are new."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """Attention output [T, Hq, D] for queries ``q`` [T, Hq, D]; their keys/values ``k``/``v`` [T, Hkv, D]
+    are stored in the caches already (``write_kv``)."""
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd and meta.decode_tables is not None:  # a paged kernel reads the cache in place

@@ -34,7 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
-    attention: str = "auto"  # auto: paged kernels (C on CPU, Triton decode on CUDA) where available; torch
+    kernels: str = "auto"  # auto: C kernels on CPU, Triton decode on CUDA, where available; torch: pure torch
 
 
 @dataclass
@@ -76,7 +76,7 @@ class LLMEngine:
             config.kv_cache_bytes // kv_bytes_per_block(checkpoint.config, config.block_size, dtype), 1)
         self.runner = ModelRunner.from_checkpoint(
             checkpoint, max_model_len=self.max_model_len, dtype=dtype, device=torch.device(config.device),
-            num_blocks=num_blocks, block_size=config.block_size, attention=config.attention)
+            num_blocks=num_blocks, block_size=config.block_size, kernels=config.kernels)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -90,11 +90,9 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, attention: "
-                 "%s", model_path.name, dtype, num_blocks, config.block_size,
-                 num_blocks * config.block_size, self.max_model_len,
-                 {(True, True): "paged kernels", (True, False): "paged decode kernel, SDPA prefill"}.get(
-                     (self.runner.paged_decode, self.runner.paged_prefill), "pure torch"))
+        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+                 "kernels: %s", model_path.name, dtype, num_blocks, config.block_size,
+                 num_blocks * config.block_size, self.max_model_len, self.runner.kernels.describe())
 
     # ------------------------------------------------------------------------------- admission
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

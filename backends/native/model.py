@@ -2,6 +2,8 @@
 
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
 fused into one matmul each. ``load_weights`` takes tensors under HF names and fills the fused layout.
+The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
+does); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU).
 """
 
 from __future__ import annotations
@@ -9,28 +11,32 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backends.native.attention import paged_attention
 from backends.native.batch import AttentionMetadata
 from backends.native.config import ModelConfig
+from backends.native.layer_ops import TorchLayerOps
 from backends.native.linear import Linear, can_pack
-from backends.native.rotary import RotaryEmbedding, apply_rotary
+from backends.native.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    ops = TorchLayerOps
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 and cast back before the weight, as HF's LlamaRMSNorm does (one fused kernel).
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised x + residual, the new residual x + residual); see ``TorchLayerOps.add_rms_norm``."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
+    ops = TorchLayerOps
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -42,25 +48,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        # Query and key heads are rotated together: one pass over the adjacent columns.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                   self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.ops.rotary_store_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, *kv_cache,
+                                           meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
+    ops = TorchLayerOps
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -71,9 +74,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -93,12 +97,18 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        x = self.norm(x[meta.logits_indices])
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, _ = self.norm(x[meta.logits_indices], residual[meta.logits_indices])
         return self.lm_head(x).float()
+
+    def use_layer_ops(self, ops: type) -> None:
+        """Run the elementwise ops of every layer on ``ops`` (a class of layer_ops.py)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.ops = ops
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:

@@ -2,8 +2,9 @@
 
 Order of operations as in vLLM: penalties (repetition on prompt and output, presence/frequency on
 output), min_tokens masking of stop tokens, then greedy argmax or temperature → top-k → top-p → min-p
-and a draw. Draws use the exponential trick (argmax of p / Exp(1)), with noise from the request's own
-generator when it has a seed, so a seeded request samples the same tokens whatever else is batched.
+and a draw. A draw is one uniform number against the row's cumulative distribution, taken from the
+request's own generator when it has a seed, so a seeded request samples the same tokens whatever else
+is batched.
 Logprobs are those of the raw model distribution (vLLM V1's default ``raw_logprobs``).
 """
 
@@ -95,7 +96,15 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = torch.empty_like(probs)
+    # Inverse-CDF draw: one uniform per row against the row's cumulative distribution (float64, so that
+    # tail tokens keep their weight). The exponential trick needs a random number per vocabulary entry:
+    # 1 ms per row here, 65 ms of a 64-sequence decode step.
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(len(seqs), 1, dtype=torch.float64)
     for i, seq in enumerate(seqs):
-        noise[i].exponential_(generator=seq.generator)
-    return (probs / noise).argmax(dim=-1)
+        if seq.generator is not None:
+            u[i] = torch.rand((), dtype=torch.float64, generator=seq.generator)
+    # Below the total, so the pick is a token with nonzero probability even if u * total rounds up.
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)

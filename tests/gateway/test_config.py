@@ -17,7 +17,7 @@ models:
       - kind: native
         dtype: bfloat16
         max_concurrency: 8
-        attention: torch
+        kernels: torch
       - kind: openai
         url: http://127.0.0.1:9/v1
         upstream_model: smol-upstream
@@ -37,7 +37,7 @@ def test_yaml_is_loaded_and_keys_hashed(tmp_path):
     assert [r.name for r in s.routes()] == ["smol"]
     native, remote = s.models[0].deployments
     assert native.dtype == "bfloat16" and native.max_concurrency == 8 and remote.upstream_model == "smol-upstream"
-    assert build_backend("smol", native).config.attention == "torch"  # reaches the engine
+    assert build_backend("smol", native).config.kernels == "torch"  # reaches the engine
     assert s.api_keys[0].key is None and s.api_keys[0].sha256 == hash_key("sk-a")
     assert s.limits.max_body_bytes == 100000
 
@@ -63,7 +63,7 @@ def test_no_config_means_the_embedded_default():
     "models: [{name: x, deployments: [{kind: openai}]}]",  # remote without url
     "models: [{name: x, deployments: [{kind: quantum}]}]",
     "models: [{name: x, deployments: [{max_concurrency: 0}]}]",
-    "models: [{name: x, deployments: [{attention: flash}]}]",
+    "models: [{name: x, deployments: [{kernels: flash}]}]",
     "api_keys: [{name: nokey}]",
     "unknown_section: 1",
     "- just\n- a list",

@@ -9,7 +9,7 @@
  * each key block is transposed once per task so that a tile's scores build up as vector FMAs.
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
- * Arithmetic is fp32; bf16 storage is widened block by block. Built and loaded by cpu_attention.py;
+ * Arithmetic is fp32; bf16 storage is widened block by block. Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
  */
 
@@ -18,24 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 64
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static void widen(const uint16_t *src, float *dst, int64_t n) {
     #pragma omp simd

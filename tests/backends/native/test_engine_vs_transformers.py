@@ -95,8 +95,8 @@ def test_last_position_logits_match_within_1e3(smollm2_tokenizer, prompts, refer
     dict(max_num_batched_tokens=50),  # chunked prefill, chunks not aligned to blocks
     dict(enable_chunked_prefill=False, max_num_batched_tokens=1024),
     dict(num_blocks=48, max_num_batched_tokens=97),  # 768 tokens of KV for ~2,700: forced preemption
-    dict(attention="torch"),  # the pure-torch decode path (no C compiler) instead of the paged kernel
-], ids=["default", "no-prefix-cache", "chunked-50", "no-chunking", "preemption", "torch-attention"])
+    dict(kernels="torch"),  # the pure-torch paths (no C compiler) instead of the C kernels
+], ids=["default", "no-prefix-cache", "chunked-50", "no-chunking", "preemption", "torch-kernels"])
 def test_batched_greedy_equals_transformers(smollm2_tokenizer, prompts, reference, variant):
     engine = _engine(smollm2_tokenizer, **variant)
     assert _greedy(engine, prompts) == [tokens for tokens, _ in reference]

@@ -6,7 +6,6 @@ pure-torch SDPA path, with and without cached prefixes."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 
 import pytest
@@ -18,7 +17,8 @@ from backends.native import cpu_attention  # noqa: E402
 from backends.native.attention import _decode_attention, _prefill_attention  # noqa: E402
 from backends.native.batch import AttentionMetadata, Batch  # noqa: E402
 from backends.native.config import ModelConfig  # noqa: E402
-from backends.native.model_runner import paged_kernels  # noqa: E402
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
+from backends.native.model_runner import Kernels, choose_kernels  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None and (
     os.environ["TRITON_INTERPRET"] == "1" or torch.cuda.is_available())
@@ -157,58 +157,13 @@ def _tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def test_without_a_compiler_the_engine_keeps_the_torch_path(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("BURSTGATE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: None)
-    cpu_attention.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert cpu_attention.load() is None
-        assert "no C compiler" in caplog.text
-        assert paged_kernels("auto", _tiny_config(), torch.float32, torch.device("cpu"), 16) == (False, False)
-    finally:
-        cpu_attention.load.cache_clear()
-
-
-def test_a_failing_build_is_logged_and_falls_back(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("BURSTGATE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: "/bin/false")
-    cpu_attention.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert cpu_attention.load() is None
-        assert "build failed" in caplog.text
-        assert not list(tmp_path.glob("*.so"))  # nothing half-built left to load later
-    finally:
-        cpu_attention.load.cache_clear()
-
-
-def test_the_kernel_is_built_once_into_the_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("BURSTGATE_CACHE_DIR", str(tmp_path))
-    cpu_attention.load.cache_clear()
-    try:
-        assert cpu_attention.load() is not None
-        built = list(tmp_path.glob("paged_attention-*.so"))
-        assert len(built) == 1
-        mtime = built[0].stat().st_mtime_ns
-        cpu_attention.load.cache_clear()
-        assert cpu_attention.load() is not None  # a second process would find it: no rebuild
-        assert built[0].stat().st_mtime_ns == mtime
-    finally:
-        cpu_attention.load.cache_clear()
-
-
-def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
-    # A library linked with -ffast-math would switch on flush-to-zero for everyone at load time.
-    assert cpu_attention.load() is not None
-    assert 5e-324 * 1.0 > 0.0  # subnormals survive
-    assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0
-
-
-def test_attention_path_is_chosen_by_config():
-    cfg = _tiny_config()
-    assert paged_kernels("auto", cfg, torch.float32, torch.device("cpu"), 16) == (True, True)
-    assert paged_kernels("auto", cfg, torch.float32, torch.device("cuda"), 16) == (True, False)  # Triton decodes
-    assert paged_kernels("torch", cfg, torch.float32, torch.device("cpu"), 16) == (False, False)
-    with pytest.raises(ValueError, match="unknown attention path"):
-        paged_kernels("flash", cfg, torch.float32, torch.device("cpu"), 16)
+def test_kernels_are_chosen_by_config_and_device():
+    cfg, cpu = _tiny_config(), torch.device("cpu")
+    assert choose_kernels("auto", cfg, torch.float32, cpu, 16) == Kernels(True, True, CpuLayerOps)
+    assert choose_kernels("auto", cfg, torch.bfloat16, cpu, 16) == Kernels(True, True, CpuLayerOps)
+    assert choose_kernels("auto", cfg, torch.float16, cpu, 16) == Kernels(False, False, TorchLayerOps)
+    # Triton decodes on CUDA
+    assert choose_kernels("auto", cfg, torch.float32, torch.device("cuda"), 16) == Kernels(True, False, TorchLayerOps)
+    assert choose_kernels("torch", cfg, torch.float32, cpu, 16) == Kernels(False, False, TorchLayerOps)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        choose_kernels("flash", cfg, torch.float32, cpu, 16)

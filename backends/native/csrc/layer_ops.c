@@ -1,0 +1,128 @@
+/* The elementwise parts of a decoder layer for CPUs, each one pass over the rows of the flat
+ * [tokens, ...] layout: residual add + RMSNorm, SwiGLU's silu(gate) * up, and rotary embedding of the
+ * query and key heads together with the KV-cache write. In torch each took 3-6 passes over memory with
+ * fp32 copies in between, which cost as much as the attention itself in a bf16 prefill step.
+ *
+ * Arithmetic is fp32. For bf16 storage, results are rounded where the torch reference (layer_ops.py,
+ * following HF's Llama) rounds them, so both paths give the same tokens. Rows are spread over the
+ * process's OpenMP threads. Built and loaded by cpu_kernels.py.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* Element i of a row stored as fp32 or bf16; `bf16` is a constant at every inlined call site, so each
+ * caller compiles into two branch-free loops. */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float v, const int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* v as the storage type would hold it. */
+static inline __attribute__((always_inline)) float round_to(float v, const int bf16) {
+    return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+static inline __attribute__((always_inline)) void add_rms_norm_row(
+        void *x, void *residual, const void *weight, void *out, const int64_t hidden, float eps, const int bf16) {
+    float sumsq = 0.0f;
+    if (residual) { /* residual = x + residual, in the storage type, as torch adds */
+        #pragma omp simd reduction(+:sumsq)
+        for (int64_t i = 0; i < hidden; i++) {
+            const float r = round_to(load(x, i, bf16) + load(residual, i, bf16), bf16);
+            store(residual, i, r, bf16);
+            sumsq += r * r;
+        }
+    } else {
+        #pragma omp simd reduction(+:sumsq)
+        for (int64_t i = 0; i < hidden; i++) sumsq += load(x, i, bf16) * load(x, i, bf16);
+    }
+    const void *src = residual ? residual : x;
+    const float inv = 1.0f / sqrtf(sumsq / (float)hidden + eps);
+    /* HF's RMSNorm casts the normalised row to the storage type before multiplying by the weight. */
+    #pragma omp simd
+    for (int64_t i = 0; i < hidden; i++)
+        store(out, i, load(weight, i, bf16) * round_to(load(src, i, bf16) * inv, bf16), bf16);
+}
+
+/* out = rms_norm(x + residual) * weight and residual = x + residual (without a residual: out =
+ * rms_norm(x) * weight). Rows of `hidden` contiguous elements; `out` may be `x`. */
+int add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
+                 float eps, int is_bf16) {
+    const int64_t size = is_bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        void *xr = (char *)x + r * hidden * size, *outr = (char *)out + r * hidden * size;
+        void *res = residual ? (char *)residual + r * hidden * size : NULL;
+        if (is_bf16) add_rms_norm_row(xr, res, weight, outr, hidden, eps, 1);
+        else add_rms_norm_row(xr, res, weight, outr, hidden, eps, 0);
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x, void *out, const int64_t d,
+                                                                    const int bf16) {
+    #pragma omp simd
+    for (int64_t i = 0; i < d; i++) {
+        const float g = load(x, i, bf16);
+        /* Clamped: fast math may not meet an infinite exp. silu(g) is -0 there either way. */
+        const float silu = round_to(g / (1.0f + expf(fminf(-g, 80.0f))), bf16);
+        store(out, i, silu * load(x, d + i, bf16), bf16);
+    }
+}
+
+/* out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d] (gate and up side by side). */
+int silu_and_mul(const void *x, void *out, int64_t rows, int64_t d, int is_bf16) {
+    const int64_t size = is_bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *xr = (const char *)x + 2 * r * d * size;
+        void *outr = (char *)out + r * d * size;
+        if (is_bf16) silu_and_mul_row(xr, outr, d, 1);
+        else silu_and_mul_row(xr, outr, d, 0);
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void rotate_row(void *x, const float *cos, const float *sin,
+                                                              const int64_t half, const int bf16) {
+    #pragma omp simd
+    for (int64_t i = 0; i < half; i++) { /* HF's rotate-half layout: pairs (i, i + half) */
+        const float a = load(x, i, bf16), b = load(x, half + i, bf16);
+        store(x, i, a * cos[i] - b * sin[i], bf16);
+        store(x, half + i, b * cos[i] + a * sin[i], bf16);
+    }
+}
+
+/* For each token t of qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim] (row stride `stride`):
+ * rotate its query and key heads in place by cos/sin [tokens, head_dim / 2] (fp32, looked up for its
+ * position), then copy its key and value heads into slot slot_mapping[t] of the head-major caches
+ * [num_kv_heads, cache_slots, head_dim]. */
+int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *sin, void *k_cache, void *v_cache,
+                    const int64_t *slot_mapping, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                    int64_t head_dim, int64_t cache_slots, int is_bf16) {
+    const int64_t size = is_bf16 ? 2 : 4, half = head_dim / 2, row_bytes = head_dim * size;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        char *row = (char *)qkv + t * stride * size;
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            if (is_bf16) rotate_row(row + h * row_bytes, c, s, half, 1);
+            else rotate_row(row + h * row_bytes, c, s, half, 0);
+        }
+        const int64_t slot = slot_mapping[t];
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t at = (h * cache_slots + slot) * row_bytes;
+            memcpy((char *)k_cache + at, row + (num_heads + h) * row_bytes, row_bytes);
+            memcpy((char *)v_cache + at, row + (num_heads + num_kv_heads + h) * row_bytes, row_bytes);
+        }
+    }
+    return 0;
+}

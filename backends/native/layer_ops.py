@@ -1,0 +1,92 @@
+"""The elementwise parts of a decoder layer, behind one contract with two implementations.
+
+``TorchLayerOps`` is the reference (plain torch, any device, HF Llama's rounding in bf16); ``CpuLayerOps``
+runs the same three ops as the C kernels of csrc/layer_ops.c, one pass over memory each and in place
+where torch allocates. In a bf16 prefill step on CPU the torch versions (fp32 copies, 3-6 passes per op)
+cost as much as attention. The model runner picks one per model (``LlamaModel.use_layer_ops``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends.native.attention import write_kv
+from backends.native.cpu_kernels import DTYPES, library, load
+from backends.native.rotary import apply_rotary
+
+
+class TorchLayerOps:
+    """Reference implementations in plain torch."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual) * weight, x + residual); without a residual, (rms_norm(x) * weight, x).
+
+        The norm is computed in fp32 and cast back before the weight, as HF's LlamaRMSNorm does."""
+        if residual is not None:
+            x = x + residual
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype), x
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation: silu(gate) * up for ``x`` [T, 2I] = gate and up side by side."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotary_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split ``qkv`` [T, (Hq + 2 Hkv) * D] into q [T, Hq, D], k and v [T, Hkv, D], rotate q and k by
+        ``cos``/``sin`` [T, 1, D/2] (fp32), and store k and v at ``slot_mapping`` [T] in the head-major caches."""
+        d = k_cache.shape[-1]
+        # Query and key heads are rotated together: one pass over the adjacent columns.
+        qk = apply_rotary(qkv[:, :(num_heads + num_kv_heads) * d].view(-1, num_heads + num_kv_heads, d), cos, sin)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, (num_heads + num_kv_heads) * d:].view(-1, num_kv_heads, d)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q, k, v
+
+
+class CpuLayerOps:
+    """The same ops as C kernels for CPU tensors stored as fp32 or bf16 (``available`` says whether they
+    run here). Inputs must be contiguous rows; results are written in place where the contract allows."""
+
+    @staticmethod
+    def available(dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in DTYPES and load() is not None
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``TorchLayerOps.add_rms_norm``; with a residual, the sum overwrites ``residual`` and the
+        normalised rows overwrite ``x``."""
+        x = x.contiguous()
+        out = x if residual is not None else torch.empty_like(x)
+        library().add_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                               out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPES[x.dtype])
+        return out, x if residual is None else residual
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        """As ``TorchLayerOps.silu_and_mul``."""
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+        library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], out.shape[-1],
+                               DTYPES[x.dtype])
+        return out
+
+    @staticmethod
+    def rotary_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``TorchLayerOps.rotary_store_kv``; q, k and v are views of ``qkv``, rotated in place."""
+        qkv, t, d = qkv.contiguous(), qkv.shape[0], k_cache.shape[-1]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        library().rotary_store_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), slot_mapping.data_ptr(), t, num_heads, num_kv_heads, d,
+                                  k_cache.shape[1] * k_cache.shape[2], DTYPES[qkv.dtype])
+        heads = qkv.view(t, -1, d)
+        return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
