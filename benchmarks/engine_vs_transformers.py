@@ -133,10 +133,10 @@ def run_deepspeed(w: Workload, dtype: torch.dtype, pad_id: int) -> float | None:
 
 
 def run_openai_server(url: str, model: str, w: Workload, warm_up: bool = False, concurrency: int | None = None,
-                      text_prompts: list[str] | None = None, no_eos: str = "ignore_eos") -> float:
+                      text_prompts: list[str] | None = None, no_eos: dict | None = None) -> float:
     """Burst the workload at an OpenAI-compatible server (token-id prompts unless ``text_prompts``), at most
-    ``concurrency`` requests in flight; each request must return exactly its output length, for which EOS
-    is held back by vLLM's ``ignore_eos`` or by ``min_tokens`` (``no_eos``)."""
+    ``concurrency`` requests in flight; each request must return exactly its output length, for which the
+    body fields ``no_eos`` hold end-of-sequence tokens back (default: vLLM's ``ignore_eos``)."""
     import httpx
 
     prompts = text_prompts or w.prompts
@@ -148,9 +148,11 @@ def run_openai_server(url: str, model: str, w: Workload, warm_up: bool = False, 
                 async with gate:
                     r = await client.post(f"{url}/completions", json={"model": model, "prompt": p, "max_tokens": o,
                                                                       "temperature": 0,
-                                                                      no_eos: True if no_eos == "ignore_eos" else o})
+                                                                      **(no_eos or {"ignore_eos": True})})
                 r.raise_for_status()
-                assert r.json()["usage"]["completion_tokens"] == o, r.json()["usage"]
+                # Ran to max_tokens. (Not usage: llama-cpp-python counts one token too many when the text
+                # ends inside a multi-byte character.)
+                assert r.json()["choices"][0]["finish_reason"] == "length", r.json()
             if warm_up:  # the first requests JIT kernels
                 await asyncio.gather(*(one(list(range(100 + i, 132 + i)), 4) for i in range(8)))
             start = time.perf_counter()
@@ -170,9 +172,11 @@ def run_llamacpp(w: Workload, tokenizer, requests: int, concurrency: int) -> tup
     proc = start_llamacpp(port, log=PEERS / "llamacpp.log")
     try:
         texts = [tokenizer.hf.decode(p) for p in sub.prompts]
-        # min_tokens holds EOS back until the length is reached (llama-cpp-python has no ignore_eos).
+        # llama-cpp-python has no ignore_eos, and its min_tokens holds back only one of SmolLM2's two
+        # end-of-generation tokens: bias every special token away instead.
+        ban = {str(t): -100.0 for t in tokenizer.hf.all_special_ids}
         seconds = run_openai_server(f"http://127.0.0.1:{port}/v1", "smollm2", sub, concurrency=concurrency,
-                                    text_prompts=texts, no_eos="min_tokens")
+                                    text_prompts=texts, no_eos={"logit_bias": ban})
     finally:
         proc.terminate()
         proc.wait(60)

@@ -3,9 +3,9 @@
 1. Capacity: against the instant mock server, the highest constant request rate each tool sustains
    with p99 send lag (actual − targeted send time) ≤ 2 ms and ≥ 98% of the rate achieved. For
    guidellm the lag is read from its per-request timings (``request_start − targeted_start``).
-2. Agreement: both tools measure the same burstgate server (native engine, SmolLM2) on the same
-   workload (a burst of chat requests, fixed prompt and output lengths, ignore_eos); their output
-   token throughput and median TTFT are compared.
+2. Agreement: both tools measure the same burstgate gateway (in front of a mock engine with fixed
+   delays, then serving SmolLM2 on this CPU) on the same workload (a burst of chat requests, fixed
+   prompt and output lengths, ignore_eos); their output token throughput and median TTFT are compared.
 
     make peers-guidellm     # guidellm 0.8.1 in .peers/guidellm (CPU torch first)
     python benchmarks/loadtest_capacity.py --rates 100,200,400,800,1600,3200 --seconds 5
@@ -87,24 +87,37 @@ def capacity(name: str, measure, rates: list[float]) -> tuple[float, float]:
 
 
 def agreement(n: int, input_len: int, output_len: int) -> None:
-    """Both tools on two servers: burstgate serving SmolLM2 on this CPU (so the tools' own CPU use shows),
-    and the mock server with fixed delays (a server no client can slow down: pure measurement)."""
+    """Both tools on the same burstgate gateway twice: in front of a mock engine with fixed delays (a server
+    no client slows down: pure measurement), and serving SmolLM2 on this CPU (the tools' own CPU use is
+    taken from the server they measure, so that difference is the client's cost, not a measurement error)."""
     specs = synthetic(load_tokenizer(str(HF_DIR)), n, input_len, output_len, seed=0)
-    servers = [
-        ("burstgate serving SmolLM2 on this CPU", "SmolLM2-135M-Instruct", ["serve", "--log-level", "warning"]),
-        ("mock server, TTFT 200 ms + 20 ms per token", "mock", ["loadtest", "mock-server", "--ttft-ms", "200",
-                                                               "--itl-ms", "20"]),
-    ]
-    for title, model, command in servers:
-        port = free_port()
-        server = subprocess.Popen([str(BURSTGATE), *command, "--port", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory() as tmp:
+        mock_port = free_port()
+        config = Path(tmp) / "gateway.yaml"
+        config.write_text(f"models: [{{name: mock, deployments: [{{kind: openai, url: 'http://127.0.0.1:{mock_port}/v1',"
+                          f" upstream_model: mock}}]}}]\n")
+        servers = [
+            ("burstgate gateway in front of a mock engine (TTFT 200 ms + 20 ms per token)", "mock",
+             ["serve", "--config", str(config), "--log-level", "warning"]),
+            ("burstgate serving SmolLM2 on this CPU", "SmolLM2-135M-Instruct", ["serve", "--log-level", "warning"]),
+        ]
+        mock = subprocess.Popen([str(BURSTGATE), "loadtest", "mock-server", "--ttft-ms", "200", "--itl-ms", "20",
+                                 "--port", str(mock_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait_ready(f"http://127.0.0.1:{port}", 300, server)
-            compare(title, f"http://127.0.0.1:{port}", model, specs, input_len, output_len)
+            wait_ready(f"http://127.0.0.1:{mock_port}", 60, mock)
+            for title, model, command in servers:
+                port = free_port()
+                server = subprocess.Popen([str(BURSTGATE), *command, "--port", str(port)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    wait_ready(f"http://127.0.0.1:{port}", 300, server)
+                    compare(title, f"http://127.0.0.1:{port}", model, specs, input_len, output_len)
+                finally:
+                    server.terminate()
+                    server.wait(timeout=60)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            mock.terminate()
+            mock.wait(timeout=30)
 
 
 def compare(title: str, url: str, model: str, specs: list[RequestSpec], input_len: int, output_len: int) -> None:
