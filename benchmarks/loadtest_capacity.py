@@ -34,6 +34,9 @@ from loadtest.schedule import Schedule  # noqa: E402
 from loadtest.workload import RequestSpec, load_tokenizer, synthetic  # noqa: E402
 
 LAG_LIMIT_MS = 2.0
+# guidellm's best settings here: its default worker count for capacity (400 req/s achieved against 200
+# with one worker); one worker for agreement (its default spawns up to 10 that fight the server for 2 cores).
+AGREEMENT_GUIDELLM_WORKERS = 1
 MIN_ACHIEVED = 0.98
 BURSTGATE = Path(sys.executable).parent / "burstgate"
 
@@ -46,8 +49,10 @@ def ours_at(url: str, rate: float, seconds: float, workers: int, output_len: int
     return s["p99_send_lag_ms"], s["request_throughput"] if s["failed"] == 0 else 0.0
 
 
-def guidellm(url: str, model: str, profile: str, count: int, prompt_tokens: int, output_tokens: int) -> dict:
-    """One guidellm run; returns its JSON report's first benchmark."""
+def guidellm(url: str, model: str, profile: str, count: int, prompt_tokens: int, output_tokens: int,
+             workers: int | None = None) -> dict:
+    """One guidellm run with ``workers`` worker processes (None: its default, up to 10); returns its JSON
+    report's first benchmark."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         cmd = [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={url},model={model}",
@@ -55,7 +60,10 @@ def guidellm(url: str, model: str, profile: str, count: int, prompt_tokens: int,
                "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
                "--tokenizer", f"kind=huggingface_auto,model={HF_DIR}", "--output", f"kind=json,path={out}",
                "--disable-console"]
-        subprocess.run(cmd, check=True, cwd=tmp, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if workers:
+            env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
+        subprocess.run(cmd, check=True, cwd=tmp, env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads(out.read_text())["benchmarks"][0]
 
@@ -90,7 +98,10 @@ def agreement(n: int, input_len: int, output_len: int) -> None:
     """Both tools on the same burstgate gateway twice: in front of a mock engine with fixed delays (a server
     no client slows down: pure measurement), and serving SmolLM2 on this CPU (the tools' own CPU use is
     taken from the server they measure, so that difference is the client's cost, not a measurement error)."""
-    specs = synthetic(load_tokenizer(str(HF_DIR)), n, input_len, output_len, seed=0)
+    tokenizer = load_tokenizer(str(HF_DIR))
+    specs = synthetic(tokenizer, n, input_len, output_len, seed=0)
+    # Other prompts: warming up on the measured ones would serve them from the prefix cache.
+    warm_up = synthetic(tokenizer, 8, input_len, output_len, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         mock_port = free_port()
         config = Path(tmp) / "gateway.yaml"
@@ -111,7 +122,7 @@ def agreement(n: int, input_len: int, output_len: int) -> None:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 try:
                     wait_ready(f"http://127.0.0.1:{port}", 300, server)
-                    compare(title, f"http://127.0.0.1:{port}", model, specs, input_len, output_len)
+                    compare(title, f"http://127.0.0.1:{port}", model, specs, warm_up, input_len, output_len)
                 finally:
                     server.terminate()
                     server.wait(timeout=60)
@@ -120,16 +131,18 @@ def agreement(n: int, input_len: int, output_len: int) -> None:
             mock.wait(timeout=30)
 
 
-def compare(title: str, url: str, model: str, specs: list[RequestSpec], input_len: int, output_len: int) -> None:
+def compare(title: str, url: str, model: str, specs: list[RequestSpec], warm_up: list[RequestSpec], input_len: int,
+            output_len: int) -> None:
     n = len(specs)
     target = Target(url, model)
     cfg = RunConfig(request=RequestOptions(endpoint="chat"))
-    asyncio.run(run_target(target, specs[:8], cfg))  # warm-up, outside both measurements
+    asyncio.run(run_target(target, warm_up, cfg))  # outside both measurements
     cpu = time.process_time()
     ours = asyncio.run(run_target(target, specs, cfg)).summary
     ours_cpu = time.process_time() - cpu
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
-    theirs = guidellm(url, model, f"kind=concurrent,streams={n}", n, input_len, output_len)
+    theirs = guidellm(url, model, f"kind=concurrent,streams={n}", n, input_len, output_len,
+                      AGREEMENT_GUIDELLM_WORKERS)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     theirs_cpu = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     m, done = theirs["metrics"], theirs["requests"]["successful"]
@@ -155,9 +168,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--agreement-requests", type=int, default=32)
+    ap.add_argument("--agreement-requests", type=int, default=8)
     ap.add_argument("--agreement-input-len", type=int, default=128)
-    ap.add_argument("--agreement-output-len", type=int, default=32)
+    ap.add_argument("--agreement-output-len", type=int, default=128)
     ap.add_argument("--agreement-only", action="store_true")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
