@@ -16,6 +16,7 @@ from gateway.cli import app as cli
 from loadtest.client import RequestOptions, Target
 from loadtest.mock_server import create_mock_app
 from loadtest.runner import RunConfig, run_target
+from loadtest.schedule import Schedule
 from loadtest.workload import synthetic
 from tests.conftest import MODEL
 from tests.servers import free_port, serve_app
@@ -71,6 +72,24 @@ def test_closed_loop_concurrency_is_respected(mock):
     specs = synthetic(_tok(), 40, 8, 3)
     result = asyncio.run(run_target(Target(mock, "mock"), specs, RunConfig(concurrency=4)))
     assert result.summary["completed"] == 40 and result.summary["max_concurrent_requests"] <= 4
+
+
+def test_a_paced_schedule_sends_each_request_at_its_time_never_early_and_in_order(mock):
+    specs = synthetic(_tok(), 30, 8, 2)
+    result = asyncio.run(run_target(Target(mock, "mock"), specs, RunConfig(schedule=Schedule.poisson, rate=300,
+                                                                           seed=3)))
+    records = sorted(result.records, key=lambda r: r.target_send)
+    assert len(records) == 30 and len({r.target_send for r in records}) == 30  # a real schedule, not a burst
+    assert all(r.actual_send >= r.target_send for r in records)
+    sends = [r.actual_send for r in records]
+    assert sends == sorted(sends)
+
+
+def test_a_duration_bound_stops_sending_at_the_deadline(mock):
+    specs = synthetic(_tok(), 200, 8, 2)
+    result = asyncio.run(run_target(Target(mock, "mock"), specs, RunConfig(schedule=Schedule.constant, rate=100,
+                                                                           duration_s=0.5)))
+    assert result.summary["completed"] in (50, 51)  # sends due after 0.5 s of a 2 s schedule are never made
 
 
 def test_several_worker_processes(mock):
