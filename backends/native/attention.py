@@ -50,8 +50,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.prefill_tables is not None:  # the C prefill kernel reads prefixes and new keys from the cache
         from backends.native.cpu_attention import paged_prefill_attention
 
-        out[nd:] = paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
-                                           meta.prefill_query_lens, meta.prefill_context_lens, scale)
+        paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
+                                meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:])
         return out
     for i in range(nd, len(meta.query_lens)):
         start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]

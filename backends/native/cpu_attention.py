@@ -39,32 +39,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``q`` [B, Hq, D]; caches [Hkv, num_blocks, block_size, D] (contiguous); ``block_tables`` [B, max_blocks]
     and ``context_lens`` [B], int64.
     """
-    lib, q, tables = library(), _rows(q), block_tables.contiguous()
-    b, hq, d = q.shape
-    hkv, num_blocks, block_size, _ = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
-    _checked(lib.paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        context_lens.data_ptr(), out.data_ptr(), b, hq, hkv, num_blocks, block_size, d, scale, DTYPES[q.dtype]),
-        q, k_cache)
-    return out
+    return _run(library().paged_decode_attention, q, k_cache, v_cache, block_tables, [context_lens], scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Causal attention output [T, Hq, D] for prefill chunks whose keys are in the paged cache already.
 
     Sequence ``i`` owns rows ``query_starts[i]:query_starts[i] + query_lens[i]`` of ``q`` [T, Hq, D]; they
     are the last of its ``context_lens[i]`` positions (a cached prefix precedes them). ``block_tables``
-    [n, max_blocks]; the per-sequence tensors [n], int64.
+    [n, max_blocks]; the per-sequence tensors [n], int64. Written into ``out`` (contiguous) when given.
     """
-    lib, q, tables = library(), _rows(q), block_tables.contiguous()
-    t, hq, d = q.shape
-    hkv, num_blocks, block_size, _ = k_cache.shape
-    out = torch.empty(q.shape, dtype=q.dtype)
-    _checked(lib.paged_prefill_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        query_starts.data_ptr(), query_lens.data_ptr(), context_lens.data_ptr(), out.data_ptr(), len(query_lens),
-        hq, hkv, num_blocks, block_size, d, scale, DTYPES[q.dtype]), q, k_cache)
+    return _run(library().paged_prefill_attention, q, k_cache, v_cache, block_tables,
+                [query_starts, query_lens, context_lens], scale, out)
+
+
+def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+         per_sequence: list[torch.Tensor], scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Call a kernel of csrc/paged_attention.c: both take q, the caches and block tables, then their
+    per-sequence int64 arrays, then the output, the sequence count and the layout."""
+    q, tables = _rows(q), block_tables.contiguous()
+    hkv, num_blocks, block_size, d = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+    _checked(kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    tables.stride(0), *(t.data_ptr() for t in per_sequence), out.data_ptr(), len(per_sequence[0]),
+                    q.shape[1], hkv, num_blocks, block_size, d, scale, DTYPES[q.dtype]), q, k_cache)
     return out

@@ -14,17 +14,6 @@
 
 #include "bf16.h"
 
-/* Element i of a row stored as fp32 or bf16; `bf16` is a constant at every inlined call site, so each
- * caller compiles into two branch-free loops. */
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline __attribute__((always_inline)) void store(void *p, int64_t i, float v, const int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
 /* v as the storage type would hold it. */
 static inline __attribute__((always_inline)) float round_to(float v, const int bf16) {
     return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;

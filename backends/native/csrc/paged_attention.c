@@ -93,7 +93,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t i = 0; i < d; i++) {
                     const int64_t at = q0 + g * d + i;
-                    qf[g][i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale;
+                    qf[g][i] = load(q, at, is_bf16) * scale;
                     acc[g][i] = 0.0f;
                 }
                 l[g] = 0.0f;
@@ -119,9 +119,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             for (int64_t g = 0; g < group; g++) {
                 const float inv = 1.0f / l[g];
                 for (int64_t i = 0; i < d; i++) {
-                    const int64_t at = head0 + g * d + i;
-                    if (is_bf16) ((uint16_t *)out)[at] = f32_to_bf16(acc[g][i] * inv);
-                    else ((float *)out)[at] = acc[g][i] * inv;
+                    store(out, head0 + g * d + i, acc[g][i] * inv, is_bf16);
                 }
             }
         }
@@ -247,7 +245,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
         for (int64_t r = 0; r < rows; r++) { /* row r: query first_q + r / group, head h * group + r % group */
             const int64_t at = (query_starts[s] + first_q + r / group) * q_stride + (h * group + r % group) * d;
             for (int64_t i = 0; i < d; i++) {
-                qf[r][i] = (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[at + i]) : ((const float *)q)[at + i]) * scale;
+                qf[r][i] = load(q, at + i, is_bf16) * scale;
                 acc[r][i] = 0.0f;
             }
             pos[r] = prefix + first_q + r / group;
@@ -260,10 +258,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             const int64_t base = (h * num_blocks + block) * block_size * d;
             for (int64_t t = 0; t < block_size; t++) { /* transpose keys (zeros past n), widen values */
                 for (int64_t i = 0; i < d; i++) {
-                    const int64_t at = base + t * d + i;
-                    const float kv = t < n ? (is_bf16 ? bf16_to_f32(((const uint16_t *)k_cache)[at])
-                                                      : ((const float *)k_cache)[at]) : 0.0f;
-                    kt[i * block_size + t] = kv;
+                    kt[i * block_size + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
                 }
             }
             const float *v = (const float *)v_cache + base;
@@ -278,10 +273,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
             const float inv = 1.0f / l[r];
-            for (int64_t i = 0; i < d; i++) {
-                if (is_bf16) ((uint16_t *)out)[at + i] = f32_to_bf16(acc[r][i] * inv);
-                else ((float *)out)[at + i] = acc[r][i] * inv;
-            }
+            for (int64_t i = 0; i < d; i++) store(out, at + i, acc[r][i] * inv, is_bf16);
         }
     }
     return 0;
