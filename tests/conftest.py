@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from backends.native.backend import NativeBackend
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from backends.native.weights import default_model_path
 from gateway.app import create_app
 from gateway.config import Settings

@@ -20,7 +20,8 @@ from backends.base import (
     Usage,
 )
 from backends.native.async_engine import AsyncEngine
-from backends.native.engine import EngineConfig, LLMEngine, RequestOutput
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine, RequestOutput
 
 
 class NativeBackend(Backend):

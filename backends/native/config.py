@@ -1,13 +1,83 @@
-"""Model hyper-parameters, read from an HF ``config.json`` or from GGUF metadata."""
+"""The engine's two configurations: what to run (``EngineConfig``, passed whole from the deployment
+to every part of the engine) and the model's shape (``ModelConfig``, read from an HF ``config.json`` or
+from GGUF metadata)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+log = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the native engine is asked to run with; field names are those of the deployment config."""
+
+    model: str | Path | None = None  # local HF directory, .gguf file or config.json; None: the embedded SmolLM2
+    tokenizer: str | Path | None = None  # default: the model's own (the embedded one for a bare config.json)
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (vLLM's name)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)  # config.json fields replaced (e.g. fewer layers)
+    seed: int = 0  # of dummy weights
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # KV budget; None: 2 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use in all (vLLM's name)
+    num_blocks: int | None = None  # overrides both (tests force preemption with tiny values)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_threads: int | None = None
+    kernels: str = "auto"  # auto: C kernels on CPU, Triton on CUDA, where available; torch: pure torch
+    enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
+
+    def torch_device(self) -> torch.device:
+        """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            device = torch.device("cuda", index)
+        return device
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """``dtype`` resolved: ``auto`` is bf16 where the hardware computes in it natively (CUDA with bf16,
+        CPUs with AMX or AVX512-BF16), float16 on older GPUs, float32 otherwise."""
+        if self.dtype != "auto":
+            if self.dtype not in DTYPES:
+                raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {[*DTYPES, 'auto']}")
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))
 
 
 @dataclass
@@ -77,8 +147,24 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: Path) -> ModelConfig:
-        config = cls.from_hf_dict(json.loads((path / "config.json").read_text()))
+    def from_hf_file(cls, path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """From a ``config.json`` file, with ``overrides`` replacing its fields (vLLM's ``hf_overrides``)."""
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        cfg.update(overrides or {})
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"{path}: missing model fields {missing}")
+        return cls.from_hf_dict(cfg)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        config = cls.from_hf_file(path / "config.json", overrides)
         gen_path = path / "generation_config.json"
         if gen_path.exists():
             gen_eos = _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from backends.base import EngineStats, InvalidRequestError, SamplingParams
+from backends.native.config import EngineConfig
 from backends.native.kv_cache import BlockManager
-from backends.native.model_runner import ModelRunner, kv_bytes_per_block, resolve_dtype
+from backends.native.model_runner import ModelRunner
 from backends.native.sampler import Sampled, sample
 from backends.native.scheduler import Scheduler, SchedulerConfig
 from backends.native.sequence import Sequence
@@ -18,23 +19,6 @@ from backends.native.weights import default_model_path, open_checkpoint
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    model: str | Path | None = None  # local HF directory or .gguf file; None: the embedded SmolLM2
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    kv_cache_bytes: int = 2 << 30  # KV capacity budget; the number of blocks follows from it
-    num_blocks: int | None = None  # overrides kv_cache_bytes (tests force preemption with tiny values)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    num_threads: int | None = None
-    kernels: str = "auto"  # auto: C kernels on CPU, Triton decode on CUDA, where available; torch: pure torch
 
 
 @dataclass
@@ -66,17 +50,13 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_path = Path(config.model) if config.model else default_model_path()
         self.model_path = model_path
-        checkpoint = open_checkpoint(model_path)
+        checkpoint = open_checkpoint(model_path, config.hf_overrides)
         self.model_config = checkpoint.config
-        self.tokenizer = tokenizer or Tokenizer(model_path)
+        self.tokenizer = tokenizer or Tokenizer(Path(config.tokenizer) if config.tokenizer else checkpoint.tokenizer_path)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position_embeddings,
                                  checkpoint.config.max_position_embeddings)
-        dtype = resolve_dtype(config.dtype)
-        num_blocks = config.num_blocks or max(
-            config.kv_cache_bytes // kv_bytes_per_block(checkpoint.config, config.block_size, dtype), 1)
-        self.runner = ModelRunner.from_checkpoint(
-            checkpoint, max_model_len=self.max_model_len, dtype=dtype, device=torch.device(config.device),
-            num_blocks=num_blocks, block_size=config.block_size, kernels=config.kernels)
+        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        num_blocks = self.runner.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -90,9 +70,10 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                 "kernels: %s", model_path.name, dtype, num_blocks, config.block_size,
-                 num_blocks * config.block_size, self.max_model_len, self.runner.kernels.describe())
+        log.info("native engine: %s on %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, num_blocks,
+                 config.block_size, num_blocks * config.block_size, self.max_model_len,
+                 self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
 
     # ------------------------------------------------------------------------------- admission
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

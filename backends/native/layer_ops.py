@@ -3,7 +3,7 @@
 ``TorchLayerOps`` is the reference (plain torch, any device, HF Llama's rounding in bf16); ``CpuLayerOps``
 runs the same three ops as the C kernels of csrc/layer_ops.c, one pass over memory each and in place
 where torch allocates. In a bf16 prefill step on CPU the torch versions (fp32 copies, 3-6 passes per op)
-cost as much as attention. The model runner picks one per model (``LlamaModel.use_layer_ops``).
+cost as much as attention. ``attention.choose_kernels`` picks one per model.
 """
 
 from __future__ import annotations
@@ -11,13 +11,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.native.attention import write_kv
 from backends.native.cpu_kernels import DTYPES, library, load
 from backends.native.rotary import apply_rotary
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values [T, Hkv, D] into the caches [Hkv, num_blocks, block_size, D]."""
+    h, _, _, d = k_cache.shape
+    k_cache.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
 class TorchLayerOps:
     """Reference implementations in plain torch."""
+
+    name = "torch"
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -53,6 +62,8 @@ class TorchLayerOps:
 class CpuLayerOps:
     """The same ops as C kernels for CPU tensors stored as fp32 or bf16 (``available`` says whether they
     run here). Inputs must be contiguous rows; results are written in place where the contract allows."""
+
+    name = "C"
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:

@@ -3,7 +3,8 @@
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
 fused into one matmul each. ``load_weights`` takes tensors under HF names and fills the fused layout.
 The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
-does); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU).
+does); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU) and attention from an
+attention backend (attention/), both chosen per model by ``attention.choose_kernels``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from backends.native.attention import paged_attention
-from backends.native.batch import AttentionMetadata
+from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
 from backends.native.linear import Linear, can_pack
@@ -36,6 +36,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     ops = TorchLayerOps
+    backend: AttentionBackend  # set by ``LlamaModel.use_kernels``
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -47,10 +48,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.ops.rotary_store_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, *kv_cache,
                                            meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -96,7 +97,7 @@ class LlamaModel(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling, device=self.embed_tokens.weight.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -104,11 +105,13 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x[meta.logits_indices], residual[meta.logits_indices])
         return self.lm_head(x).float()
 
-    def use_layer_ops(self, ops: type) -> None:
-        """Run the elementwise ops of every layer on ``ops`` (a class of layer_ops.py)."""
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run every layer's attention on ``kernels.attention`` and its elementwise ops on ``kernels.layer_ops``."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
-                module.ops = ops
+                module.ops = kernels.layer_ops
+            if isinstance(module, Attention):
+                module.backend = kernels.attention
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
@@ -121,6 +124,16 @@ class LlamaModel(nn.Module):
             if isinstance(module, Linear):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
         return True
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights (vLLM's ``load_format: dummy``), drawn in place on the model's device from ``seed``:
+        matrices and biases N(0, 0.02), norms 1. For measuring an architecture without its checkpoint."""
+        generator = torch.Generator(self.embed_tokens.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this module, fusing q/k/v and gate/up; every parameter must be set."""

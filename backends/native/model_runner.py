@@ -1,31 +1,27 @@
-"""Owns the model weights and the KV cache tensors; runs one flat batch. Makes no policy decisions."""
+"""Owns the model weights and the KV cache tensors; runs one flat batch. Makes no policy decisions.
+
+Start-up: build the model on its device, fill it (checkpoint or random weights), pick its kernels, size
+the KV cache (a byte budget, or on CUDA what ``gpu_memory_utilization`` leaves after a profiled step at
+the full token budget, as vLLM does), allocate it, and on CUDA capture decode steps as graphs.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from backends.native.batch import AttentionMetadata, Batch, Workspace
-from backends.native.config import ModelConfig
-from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
+from backends.native.attention import Kernels, choose_kernels
+from backends.native.batch import Batch
+from backends.native.config import EngineConfig, ModelConfig
+from backends.native.cuda_graphs import DecodeGraphs
 from backends.native.model import LlamaModel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Checkpoint
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
+CPU_KV_CACHE_BYTES = 2 << 30  # the default budget where memory cannot be profiled
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -40,73 +36,96 @@ def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, dev
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Keys and values of ``block_size`` tokens across every layer."""
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
-KERNEL_CHOICES = ("auto", "torch")
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """What one model runs on besides matmuls."""
-
-    paged_decode: bool  # decodes on a paged attention kernel (else the torch gather path)
-    paged_prefill: bool  # prefill chunks on the paged causal kernel (else SDPA)
-    layer_ops: type  # TorchLayerOps or CpuLayerOps (layer_ops.py)
-
-    def describe(self) -> str:
-        """For the start-up log line."""
-        attention = {(True, True): "paged attention", (True, False): "paged decode attention, SDPA prefill"}.get(
-            (self.paged_decode, self.paged_prefill), "torch attention")
-        return f"{attention}, {'C' if self.layer_ops is CpuLayerOps else 'torch'} layer ops"
-
-
-def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   block_size: int) -> Kernels:
-    """``auto``: on CUDA, Triton for decodes (SDPA for prefills, torch layer ops); on CPU, the C kernels
-    for attention and layer ops where they build here and take this layout. ``torch``: pure torch everywhere."""
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"unknown kernels {kernels!r}; choose one of {KERNEL_CHOICES}")
-    if kernels == "torch":
-        return Kernels(False, False, TorchLayerOps)
-    if device.type == "cuda":
-        return Kernels(True, False, TorchLayerOps)
-    from backends.native import cpu_attention
-
-    paged = cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size)
-    return Kernels(paged, paged, CpuLayerOps if CpuLayerOps.available(dtype, device) else TorchLayerOps)
+def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many KV blocks ``budget_bytes`` hold: the engine's allocation and the planner's prediction."""
+    return budget_bytes // kv_bytes_per_block(config, block_size, dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kernels: str = "auto") -> None:
-        self.model = model
-        cfg = model.config
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.kernels = choose_kernels(kernels, cfg, self.dtype, self.device, block_size)
-        model.use_layer_ops(self.kernels.layer_ops)
-        self.packed_weights = model.pack_linear_weights()
-        self.workspace = Workspace()
-        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)  # head-major: see attention.py
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_layers)]
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = self._load(config, checkpoint)
+        self.num_blocks = config.num_blocks or self._fit_blocks(config)
+        if self.num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
+                             "gpu_memory_utilization / kv_cache_bytes")
+        self.kernels: Kernels = choose_kernels(config.kernels, self.model.config, self.dtype, self.device,
+                                               self.block_size, self.num_blocks)
+        self.model.use_kernels(self.kernels)
+        self.packed_weights = self.model.pack_linear_weights()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels.attention, config.max_num_seqs,
+                                       -(-max_model_len // self.block_size))
 
-    @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, *, max_model_len: int, dtype: torch.dtype,
-                        device: torch.device, num_blocks: int, block_size: int, kernels: str = "auto"
-                        ) -> ModelRunner:
-        model = build_model(checkpoint.config, max_model_len, torch.float32, device)
+    def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
+        if config.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
+        if config.load_format == "dummy":
+            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device)
+            model.init_dummy_weights(config.seed)
+            return model
+        # Filled in fp32 where it runs, then cast: GGUF tensors arrive dequantised to fp32.
+        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device)
         model.load_weights(checkpoint.tensors())
-        return cls(model.to(dtype=dtype), num_blocks, block_size, kernels)
+        return model.to(dtype=self.dtype)
+
+    # ---------------------------------------------------------------------------------- KV cache
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model.config
+        # One block more than the block manager hands out: padding rows of CUDA graphs write there.
+        shape = (cfg.num_kv_heads, num_blocks + 1, self.block_size, cfg.head_dim)  # head-major: see attention/
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _fit_blocks(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+        if config.kv_cache_bytes is not None or self.device.type != "cuda":
+            return (config.kv_cache_bytes or CPU_KV_CACHE_BYTES) // per_block
+        free, total = self._profile(config)
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        log.info("KV cache: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f; %.2f GiB used by weights, "
+                 "peak activations and others)", max(budget, 0) / 2**30, total / 2**30,
+                 config.gpu_memory_utilization, (total - free) / 2**30)
+        return max(budget, 0) // per_block
+
+    def _profile(self, config: EngineConfig) -> tuple[int, int]:
+        """(free, total) GPU bytes as they would be at the peak of a step at the full token budget."""
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        kernels = choose_kernels("torch", self.model.config, self.dtype, self.device, self.block_size, blocks)
+        self.model.use_kernels(kernels)
+        caches = self._allocate_kv_cache(blocks)
+        batch = Batch([0] * tokens, list(range(tokens)), list(range(tokens)), [tokens], [tokens],
+                      [list(range(blocks))], [True])
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            self.model(self._ids(batch.token_ids), self._ids(batch.positions), caches, kernels.attention.build(batch))
+        torch.cuda.synchronize(self.device)
+        # What torch's allocator held at the peak, beyond what it holds now, is taken again by every big step.
+        transient = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
+        del caches
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free - transient, total
+
+    # --------------------------------------------------------------------------------------- step
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
-        meta = AttentionMetadata.build(batch, self.block_size, self.num_blocks, self.device, self.workspace,
-                                       self.kernels.paged_decode, self.kernels.paged_prefill)
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        meta = self.kernels.attention.build(batch)
+        return self.model(self._ids(batch.token_ids), self._ids(batch.positions), self.kv_caches, meta)

@@ -25,33 +25,31 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[Sampled]:
-    """Pick one token per row of ``logits`` [B, V] (fp32) for the matching sequence."""
+    """Pick one token per row of ``logits`` [B, V] (fp32, on any device) for the matching sequence."""
     want_logprobs = [s.params.logprobs is not None for s in seqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     logits = _apply_penalties(logits, seqs, eos_token_ids)
 
-    tokens = torch.empty(len(seqs), dtype=torch.int64)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     random = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(greedy) == len(seqs):  # no row copy when the whole batch is greedy
         tokens = logits.argmax(dim=-1)
-    elif greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    if random:
+    else:
+        tokens = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
         tokens[random] = _draw(logits[random], [seqs[i] for i in random])
+    token_list = tokens.tolist()  # the step's one device-to-host copy without logprobs
 
-    out = []
-    for i, seq in enumerate(seqs):
-        tok = int(tokens[i])
-        if not want_logprobs[i]:
-            out.append(Sampled(tok))
-            continue
-        row = raw_logprobs[i]
-        top = []
-        if seq.params.logprobs:
-            values, ids = row.topk(seq.params.logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
-        out.append(Sampled(tok, float(row[tok]), top))
+    out = [Sampled(tok) for tok in token_list]
+    rows = [i for i, want in enumerate(want_logprobs) if want]
+    if rows:
+        chosen = raw_logprobs[rows].gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        for i, logprob in zip(rows, chosen):
+            out[i].logprob, out[i].top = logprob, []
+            if k := seqs[i].params.logprobs:
+                values, ids = raw_logprobs[i].topk(k)
+                out[i].top = list(zip(ids.tolist(), values.tolist()))
     return out
 
 
@@ -67,11 +65,12 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
             logits, cloned = logits.clone(), True
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64)
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
-            counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64), minlength=row.shape[0])
+            counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64, device=logits.device),
+                                    minlength=row.shape[0])
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if needs_min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
@@ -80,20 +79,21 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs])
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs], device=device)
     if (top_k < logits.shape[1]).any():
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype).unsqueeze(1)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype, device=device).unsqueeze(1)
     if (top_p < 1).any():
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype, device=device).unsqueeze(1)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     # Inverse-CDF draw: one uniform per row against the row's cumulative distribution (float64, so that
@@ -101,10 +101,12 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # 1 ms per row here, 65 ms of a 64-sequence decode step.
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
+    # Drawn on the CPU, where seeded requests' generators live: a seed gives the same tokens on any device.
     u = torch.rand(len(seqs), 1, dtype=torch.float64)
     for i, seq in enumerate(seqs):
         if seq.generator is not None:
             u[i] = torch.rand((), dtype=torch.float64, generator=seq.generator)
+    u = u.to(device)
     # Below the total, so the pick is a token with nonzero probability even if u * total rounds up.
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True).squeeze(1)

@@ -1,6 +1,7 @@
-"""Checkpoint reading: HF directories (safetensors, sharded or not) and GGUF files.
+"""Checkpoint reading: HF directories (safetensors, sharded or not), GGUF files, and bare ``config.json``
+files (a shape without weights, for random weights: ``load_format: dummy``).
 
-Both readers yield tensors under HF Llama names (``model.layers.0.self_attn.q_proj.weight`` ...), so the
+The readers yield tensors under HF Llama names (``model.layers.0.self_attn.q_proj.weight`` ...), so the
 model has one loading path whatever the file format.
 """
 
@@ -54,8 +55,19 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.gguf_reader is not None
 
+    @property
+    def has_weights(self) -> bool:
+        return self.path.suffix != ".json"
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """Where the tokenizer lives: beside the weights, or the embedded model's for a bare config."""
+        return self.path if self.has_weights else default_model_path()
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float tensor) pairs; GGUF tensors are dequantised to fp32."""
+        if not self.has_weights:
+            raise ValueError(f"{self.path} is a config without weights: load it with load_format dummy")
         return _gguf_tensors(self.gguf_reader, self.config) if self.is_gguf else _safetensors(self.path)
 
 
@@ -78,15 +90,20 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE}")
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Open a local HF directory (config.json + safetensors) or a ``.gguf`` file. Never downloads."""
+def open_checkpoint(path: str | Path, hf_overrides: dict[str, Any] | None = None) -> Checkpoint:
+    """Open a local HF directory (config.json + safetensors), a ``.gguf`` file or a bare HF ``config.json``
+    (no weights). ``hf_overrides`` replaces config.json fields (not for GGUF). Never downloads."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if hf_overrides:
+            raise ValueError("hf_overrides apply to HF configs (a directory or config.json), not to GGUF files")
         reader = _gguf_reader(path)
         return Checkpoint(path, _gguf_config(reader), reader)
     if path.is_dir() and (path / "config.json").exists():
-        return Checkpoint(path, ModelConfig.from_hf_dir(path))
-    raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+        return Checkpoint(path, ModelConfig.from_hf_dir(path, hf_overrides))
+    if path.is_file() and path.suffix == ".json":
+        return Checkpoint(path, ModelConfig.from_hf_file(path, hf_overrides))
+    raise FileNotFoundError(f"{path} is neither a .gguf file, a config.json nor a directory with config.json")
 
 
 # ---------------------------------------------------------------------------------------- safetensors

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.native.backend import NativeBackend
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.routing import Deployment, ModelGroup

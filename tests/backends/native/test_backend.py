@@ -9,7 +9,8 @@ import pytest
 
 from backends.base import GenerationRequest, InvalidRequestError, SamplingParams
 from backends.native.backend import NativeBackend
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from backends.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()

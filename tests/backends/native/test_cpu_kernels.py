@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from backends.native import cpu_kernels
+from backends.native.attention import choose_kernels
+from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.model_runner import Kernels, choose_kernels
 
 
 @pytest.fixture
@@ -31,7 +32,8 @@ def test_without_a_compiler_the_engine_keeps_the_torch_paths(monkeypatch, fresh_
     assert "no C compiler" in caplog.text
     cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=64)
-    assert choose_kernels("auto", cfg, torch.float32, torch.device("cpu"), 16) == Kernels(False, False, TorchLayerOps)
+    kernels = choose_kernels("auto", cfg, torch.float32, torch.device("cpu"), 16, 8)
+    assert isinstance(kernels.attention, TorchAttention) and kernels.layer_ops is TorchLayerOps
 
 
 def test_a_failing_build_is_logged_and_falls_back(monkeypatch, fresh_cache, caplog):

@@ -13,7 +13,8 @@ import torch
 
 from backends.base import SamplingParams
 from backends.native.batch import Batch
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from tests.backends.native.reference import hf_greedy
 
 NEW_TOKENS = 64

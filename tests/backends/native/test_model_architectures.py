@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from backends.base import SamplingParams
-from backends.native.batch import AttentionMetadata, Batch
-from backends.native.config import ModelConfig
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.attention import choose_kernels
+from backends.native.batch import Batch
+from backends.native.config import EngineConfig, ModelConfig
+from backends.native.engine import LLMEngine
 from backends.native.model_runner import build_model
 from tests.backends.native.reference import hf_greedy
 
@@ -98,7 +99,9 @@ def test_12b_head_layout_runs_forward_in_bf16():
     bs = 16
     kv = [(torch.zeros(8, 4, bs, 128, dtype=torch.bfloat16), torch.zeros(8, 4, bs, 128, dtype=torch.bfloat16))
           for _ in range(2)]
+    kernels = choose_kernels("auto", cfg, torch.bfloat16, torch.device("cpu"), bs, 4)
+    model.use_kernels(kernels)
     batch = Batch(list(range(20)), list(range(20)), list(range(20)), [20], [20], [[0, 1]], [True])
     with torch.inference_mode():
-        logits = model(torch.arange(20), torch.arange(20), kv, AttentionMetadata.build(batch, bs, 4, torch.device("cpu")))
+        logits = model(torch.arange(20), torch.arange(20), kv, kernels.attention.build(batch))
     assert logits.shape == (1, 1024) and torch.isfinite(logits).all()

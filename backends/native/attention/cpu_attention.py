@@ -1,18 +1,62 @@
-"""Paged attention for CPUs: the C kernels in csrc/paged_attention.c, built on first use.
+"""Paged attention for CPUs: the C kernels of csrc/paged_attention.c (built by cpu_kernels.py).
 
 Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguous copy before two
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
 (5-8x faster per layer here). Prefill: a tiled causal kernel over the same cache, for chunks with or
 without a cached prefix, scoring a tile of query rows against transposed key blocks (~2x SDPA's flash
-kernel on CPU here, and no gather of cached prefixes). cpu_kernels.py builds and loads them; without a
-C compiler the engine keeps the pure-torch paths of attention.py.
+kernel on CPU here, and no gather of cached prefixes). Without a C compiler the engine keeps the
+pure-torch path (torch_attention.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
+from backends.native.batch import Batch
 from backends.native.cpu_kernels import DTYPES, library, load
+
+
+@dataclass
+class CpuMetadata(StepMetadata):
+    num_decodes: int
+    # decodes: block tables padded to one width, and context lengths
+    decode_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    # prefill chunks: the same, with each chunk's first row (counted from the first prefill token) and length
+    prefill_tables: torch.Tensor
+    prefill_query_starts: torch.Tensor
+    prefill_query_lens: torch.Tensor
+    prefill_context_lens: torch.Tensor
+
+
+class CpuAttention(AttentionBackend):
+    """Decodes and prefill chunks on the C kernels, reading the cache in place."""
+
+    name = "C paged"
+
+    def build(self, batch: Batch) -> CpuMetadata:
+        starts, slots, logits_indices = self.common(batch)
+        nd = batch.num_decodes
+        tables = pad_tables(batch.block_tables[:nd]), pad_tables(batch.block_tables[nd:])
+        return CpuMetadata(
+            slots, logits_indices, nd,
+            self.int64(tables[0]), self.int64(batch.context_lens[:nd]),
+            self.int64(tables[1]), self.int64([s - nd for s in starts[nd:]]),
+            self.int64(batch.query_lens[nd:]), self.int64(batch.context_lens[nd:]))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale):
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables,
+                                              meta.decode_context_lens, scale)
+        if nd < q.shape[0]:
+            paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
+                                    meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:])
+        return out
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:

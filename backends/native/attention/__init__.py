@@ -1,0 +1,60 @@
+"""Paged attention backends, one per path, and the choice of kernels for a model.
+
+- ``TorchAttention`` (torch_attention.py): plain torch; the reference, and the fallback everywhere.
+- ``CpuAttention`` (cpu_attention.py): C kernels that read the cache in place, on CPU.
+- ``TritonAttention`` (triton_attention.py): one Triton kernel for prefill and decode, on CUDA; the path
+  CUDA graphs capture.
+
+Each builds its own metadata from the scheduler's flat ``Batch`` and runs every layer's attention. A new
+kernel path is one more backend here and one more branch in ``choose_kernels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.native.attention.base import AttentionBackend, StepMetadata
+from backends.native.attention.torch_attention import TorchAttention
+from backends.native.config import ModelConfig
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
+
+__all__ = ["AttentionBackend", "KERNEL_CHOICES", "Kernels", "StepMetadata", "choose_kernels"]
+
+KERNEL_CHOICES = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What one model runs on besides matmuls: an attention backend and the elementwise layer ops."""
+
+    attention: AttentionBackend
+    layer_ops: type  # TorchLayerOps or CpuLayerOps (layer_ops.py)
+
+    def describe(self) -> str:
+        """For the start-up log line."""
+        return f"{self.attention.name} attention, {self.layer_ops.name} layer ops"
+
+
+def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   block_size: int, num_blocks: int) -> Kernels:
+    """``auto``: on CUDA, the Triton kernel (torch layer ops); on CPU, the C kernels for attention and layer
+    ops where they build here and take this layout. ``torch``: pure torch everywhere."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels {kernels!r}; choose one of {KERNEL_CHOICES}")
+    torch_attention = TorchAttention(block_size, num_blocks, device)
+    if kernels == "torch":
+        return Kernels(torch_attention, TorchLayerOps)
+    if device.type == "cuda":
+        from backends.native.attention import triton_attention
+
+        if triton_attention.supports(config.head_dim):
+            return Kernels(triton_attention.TritonAttention(block_size, num_blocks, device), TorchLayerOps)
+        return Kernels(torch_attention, TorchLayerOps)
+    from backends.native.attention import cpu_attention
+
+    layer_ops = CpuLayerOps if CpuLayerOps.available(dtype, device) else TorchLayerOps
+    if cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size):
+        return Kernels(cpu_attention.CpuAttention(block_size, num_blocks, device), layer_ops)
+    return Kernels(torch_attention, layer_ops)

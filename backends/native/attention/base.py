@@ -1,0 +1,65 @@
+"""What every attention path shares: the step metadata the model reads, and the backend contract.
+
+An attention backend turns the scheduler's flat ``Batch`` into its own metadata once per step
+(``build``) and runs paged attention for every layer (``forward``): prefill chunks and decodes of one
+step together, their new keys and values already stored in the cache by the layer ops. The model sees
+only ``slot_mapping`` (where this step's keys/values go) and ``logits_indices`` (which rows feed the LM
+head); everything else belongs to the backend that built it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from backends.native.batch import Batch
+
+
+@dataclass
+class StepMetadata:
+    """Per-step tensors every layer reads; backends subclass it with their own fields."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot each token's key/value is stored at
+    logits_indices: torch.Tensor  # [num_sampled] int64: rows whose hidden state feeds the LM head
+
+
+class AttentionBackend(abc.ABC):
+    """One way of running paged attention (pure torch, C kernels on CPU, Triton on CUDA)."""
+
+    name: str
+    supports_graphs = False  # builds static decode metadata that CUDA graphs can replay (cuda_graphs.py)
+
+    def __init__(self, block_size: int, num_blocks: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+
+    @abc.abstractmethod
+    def build(self, batch: Batch) -> StepMetadata:
+        """The tensors this backend's ``forward`` needs for ``batch``, built once per step."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+        """Attention output [T, Hq, D] for queries ``q`` [T, Hq, D]. This step's keys/values ``k``/``v``
+        [T, Hkv, D] are already in the caches [Hkv, num_blocks, block_size, D] (head-major)."""
+
+    def int64(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def common(self, batch: Batch) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(flat start of each sequence's queries, slot mapping, logits indices) of ``batch``."""
+        starts, acc = [], 0
+        for n in batch.query_lens:
+            starts.append(acc)
+            acc += n
+        sampled = [s + n - 1 for s, n, smp in zip(starts, batch.query_lens, batch.sample) if smp]
+        return starts, self.int64(batch.slot_mapping), self.int64(sampled)
+
+
+def pad_tables(tables: list[list[int]], fill: int = 0) -> list[list[int]]:
+    """Block tables padded to the longest with ``fill`` (never read: context lengths bound every kernel)."""
+    width = max((len(t) for t in tables), default=0)
+    return [t + [fill] * (width - len(t)) for t in tables]

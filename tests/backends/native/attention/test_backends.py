@@ -1,0 +1,134 @@
+"""Every attention backend computes the same causal attention over the paged cache as plain softmax
+attention in fp64: a step mixing decodes and prefill chunks, with and without cached prefixes, over
+scattered blocks, in every supported head layout. The Triton backend runs on CPU under Triton's
+interpreter (and on a GPU where there is one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernel is decorated: run on CPU tensors
+
+from backends.native.attention import Kernels, choose_kernels  # noqa: E402
+from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
+from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
+from backends.native.batch import Batch  # noqa: E402
+from backends.native.config import ModelConfig  # noqa: E402
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None and (
+    os.environ["TRITON_INTERPRET"] == "1" or torch.cuda.is_available())
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu")
+BLOCK_SIZE, NUM_BLOCKS = 16, 96
+LAYOUTS = [(4, 4, 32), (9, 3, 64), (8, 2, 128), (40, 8, 128)]  # (query heads, KV heads, head_dim)
+# (cached tokens, new tokens) per sequence: decodes first (longest context first), then prefill chunks
+STEP = [(300, 1), (100, 1), (16, 1), (0, 1), (0, 16), (0, 70), (5, 11), (32, 40), (100, 3)]
+
+
+def triton_backend(*args):
+    from backends.native.attention.triton_attention import TritonAttention
+
+    return TritonAttention(*args)
+
+
+BACKENDS = {
+    "torch": TorchAttention,
+    "c-cpu": CpuAttention,
+    "triton": pytest.param(triton_backend, marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")),
+}
+
+
+def make_step(hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device):
+    """A batch over random caches whose blocks are scattered; this step's keys/values already stored."""
+    torch.manual_seed(0)
+    k_cache = torch.randn(hkv, NUM_BLOCKS + 1, BLOCK_SIZE, d).to(dtype)
+    v_cache = torch.randn(hkv, NUM_BLOCKS + 1, BLOCK_SIZE, d).to(dtype)
+    free = torch.randperm(NUM_BLOCKS).tolist()
+    tables, slots, positions = [], [], []
+    for cached, new in STEP:
+        need = -(-(cached + new) // BLOCK_SIZE)
+        tables.append([free.pop() for _ in range(need)])
+        for p in range(cached, cached + new):
+            slots.append(tables[-1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            positions.append(p)
+    batch = Batch([0] * len(slots), positions, slots, [n for _, n in STEP], [c + n for c, n in STEP], tables,
+                  [True] * len(STEP))
+    flat = torch.tensor(slots)
+    k = k_cache.view(hkv, -1, d)[:, flat].transpose(0, 1)
+    v = v_cache.view(hkv, -1, d)[:, flat].transpose(0, 1)
+    q = torch.randn(len(slots), hq + hkv, d).to(dtype)[:, :hq]  # a strided view, as the layer ops leave it
+    return [t.to(device) for t in (q, k, v, k_cache, v_cache)], batch
+
+
+def reference(q, k_cache, v_cache, batch: Batch, scale: float) -> torch.Tensor:
+    hkv, _, bs, d = k_cache.shape
+    group = q.shape[1] // hkv
+    out, start = [], 0
+    for n, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+        keys = k_cache[:, table].reshape(hkv, -1, d)[:, :ctx].double().repeat_interleave(group, 0)
+        values = v_cache[:, table].reshape(hkv, -1, d)[:, :ctx].double().repeat_interleave(group, 0)
+        scores = q[start:start + n].double().transpose(0, 1) @ keys.transpose(1, 2) * scale  # [Hq, n, ctx]
+        visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append((probs @ values).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("make_backend", BACKENDS.values(), ids=BACKENDS.keys())
+@pytest.mark.parametrize("hq, hkv, d", LAYOUTS)
+def test_a_mixed_step_matches_causal_softmax_attention(make_backend, hq, hkv, d):
+    device = DEVICE if make_backend is not CpuAttention else torch.device("cpu")
+    (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.float32, device)
+    backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, device)
+    meta = backend.build(batch)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    expected = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), batch, d ** -0.5)
+    torch.testing.assert_close(got.cpu().double(), expected, atol=2e-5, rtol=2e-5)
+    last_rows = torch.tensor([n for _, n in STEP]).cumsum(0) - 1  # each sequence samples from its last token
+    assert meta.logits_indices.tolist() == last_rows.tolist()
+
+
+@pytest.mark.parametrize("make_backend", [CpuAttention, pytest.param(triton_backend, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="bf16 Triton runs on a GPU"))], ids=["c-cpu", "triton"])
+def test_bf16_caches_give_bf16_answers_within_rounding(make_backend):
+    device = DEVICE if make_backend is not CpuAttention else torch.device("cpu")
+    (q, k, v, k_cache, v_cache), batch = make_step(9, 3, 64, torch.bfloat16, device)
+    backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, device)
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 0.125)
+    assert got.dtype == torch.bfloat16
+    expected = reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), batch, 0.125)
+    torch.testing.assert_close(got.cpu().double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _tiny_config(**overrides) -> ModelConfig:
+    fields = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _chosen(kernels: Kernels) -> tuple[str, type]:
+    return type(kernels.attention).__name__, kernels.layer_ops
+
+
+def test_kernels_are_chosen_by_config_and_device():
+    cfg, cpu = _tiny_config(), torch.device("cpu")
+    assert _chosen(choose_kernels("auto", cfg, torch.float32, cpu, 16, 8)) == ("CpuAttention", CpuLayerOps)
+    assert _chosen(choose_kernels("auto", cfg, torch.bfloat16, cpu, 16, 8)) == ("CpuAttention", CpuLayerOps)
+    assert _chosen(choose_kernels("auto", cfg, torch.float16, cpu, 16, 8)) == ("TorchAttention", TorchLayerOps)
+    # 32 query heads per KV head: beyond the C attention kernel, the C layer ops still run
+    wide = _tiny_config(num_heads=32, num_kv_heads=1)
+    assert _chosen(choose_kernels("auto", wide, torch.float32, cpu, 16, 8)) == ("TorchAttention", CpuLayerOps)
+    if HAS_TRITON:  # Triton on CUDA, for every layout with a power-of-two head size
+        cuda = torch.device("cuda")
+        assert _chosen(choose_kernels("auto", cfg, torch.float32, cuda, 16, 8)) == ("TritonAttention", TorchLayerOps)
+        odd = _tiny_config(hidden_size=96, num_heads=4, head_dim=24)
+        assert _chosen(choose_kernels("auto", odd, torch.float32, cuda, 16, 8)) == ("TorchAttention", TorchLayerOps)
+    assert _chosen(choose_kernels("torch", cfg, torch.float32, cpu, 16, 8)) == ("TorchAttention", TorchLayerOps)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        choose_kernels("flash", cfg, torch.float32, cpu, 16, 8)
