@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends.base import SamplingParams
-from backends.native.engine import EngineConfig, LLMEngine
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from backends.native.weights import default_model_path
 
 

@@ -10,7 +10,7 @@ def build_backend(model_name: str, cfg: DeploymentConfig) -> Backend:
     """A not-yet-started backend for ``cfg`` serving the public name ``model_name``."""
     if cfg.kind == "native":
         from backends.native.backend import NativeBackend
-        from backends.native.engine import EngineConfig
+        from backends.native.config import EngineConfig
 
         return NativeBackend(model_name, EngineConfig(
             model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
