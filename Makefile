@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-peers install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test test-peers test-cuda install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -73,3 +73,7 @@ peers-llamacpp: .peers/llamacpp/.installed
 # The OpenAI adapter against real vLLM (starts it with --enforce-eager: about 50 s on this CPU).
 test-peers: install-dev peers
 	BURSTGATE_PEERS=1 $(PY) -m pytest -q -p no:cacheprovider tests/peers
+
+# The CUDA-only tests (skipped elsewhere) and the attention kernels, on a machine with a GPU.
+test-cuda:
+	$(PY) -m pytest -q -p no:cacheprovider tests/backends/native/test_cuda.py tests/backends/native/attention

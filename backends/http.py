@@ -1,32 +1,67 @@
-"""What every HTTP adapter shares: the client, transport errors as ours, SSE parsing, and the base of
-adapters for servers with their own text-in/text-out API (TGI, LightLLM, MII).
-"""
+"""What every HTTP adapter shares: its configuration, the client, transport errors as ours, SSE parsing
+and status mapping."""
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backends.base import (
-    Backend,
     BackendError,
-    BackendInfo,
     BackendTimeoutError,
-    GenerationChunk,
-    GenerationRequest,
     InvalidRequestError,
     UnavailableError,
     UpstreamError,
-    Usage,
 )
-from backends.stop_strings import StopStringFilter
+
+ENV_REFERENCE = "os.environ/"  # LiteLLM's form for a secret read from the environment
+
+
+class RemoteConfig(BaseModel):
+    """How to reach a model server over HTTP."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    upstream_model: str | None = None  # the name the server knows the model by; default: the public name
+    api_key: str | None = None  # or "os.environ/NAME": read from the environment when the config loads
+    api_key_env: str | None = None  # the name of an environment variable holding the key
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
+
+    @model_validator(mode="after")
+    def _key_from_environment(self) -> RemoteConfig:
+        """Keys mounted from a secret into the environment, never written in the config file."""
+        if self.api_key_env and self.api_key:
+            raise ValueError("give api_key or api_key_env, not both")
+        name = self.api_key_env
+        if self.api_key and self.api_key.startswith(ENV_REFERENCE):
+            name = self.api_key.removeprefix(ENV_REFERENCE)
+        if name is not None:
+            if name not in os.environ:
+                raise ValueError(f"the environment variable {name} named for the api key is not set")
+            self.api_key, self.api_key_env = os.environ[name], None
+        return self
+
+
+class TextServerConfig(RemoteConfig):
+    """A server with its own text-in/text-out API (TGI, LightLLM, MII)."""
+
+    chat: Literal["server", "template"] = "server"  # chat through the server's OpenAI route, or a local template
+    tokenizer: str | None = None  # local HF directory or .gguf whose chat template renders messages
+
+    @model_validator(mode="after")
+    def _template_needs_tokenizer(self) -> TextServerConfig:
+        if self.chat == "template" and not self.tokenizer:
+            raise ValueError("chat: template needs a tokenizer (a local HF directory or .gguf)")
+        return self
 
 
 @dataclass
@@ -47,7 +82,7 @@ class HTTPClient:
     request than httpx, most of a gateway's own latency). First-token and total deadlines are the
     gateway's; here only the connect limit and the longest silence between two bytes."""
 
-    def __init__(self, base_url: str, cfg: Any, name: str) -> None:
+    def __init__(self, base_url: str, cfg: RemoteConfig, name: str) -> None:
         self.base_url = base_url.rstrip("/")
         self.name = name
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -138,88 +173,6 @@ def json_body(content: bytes) -> Any:
         return json.loads(content)
     except ValueError as exc:
         raise UpstreamError(f"malformed reply from upstream: {content[:200]!r}") from exc
-
-
-class TextServerBackend(Backend):
-    """Base of adapters for servers that take a text prompt and return text (TGI, LightLLM, MII).
-
-    It owns what they have in common: chat (the server's OpenAI route, or a local chat template),
-    stop strings with vLLM's semantics (servers keep the stop string in their output; we cut it and
-    never stream it), and usage on the last chunk. Subclasses speak the wire format in ``_generate``.
-    """
-
-    kind = "text-server"
-    openai_chat_path: str | None = None  # where the server's OpenAI routes live, if it has them ("/v1")
-    health_path = "/health"
-
-    def __init__(self, model_name: str, cfg: Any) -> None:
-        self.name = f"{self.kind}:{cfg.url}"
-        self.base_url = cfg.url.rstrip("/")
-        self.upstream_model = cfg.upstream_model or model_name
-        self._http = HTTPClient(self.base_url, cfg, self.name)
-        self._chat_server = None
-        self._template_path = cfg.tokenizer if cfg.chat == "template" else None
-        self._tokenizer = None
-        if cfg.chat == "server" and self.openai_chat_path is not None:
-            from backends.openai_http import OpenAIHTTPBackend
-
-            self._chat_server = OpenAIHTTPBackend(model_name, cfg.model_copy(update={
-                "url": self.base_url + self.openai_chat_path}))
-
-    async def close(self) -> None:
-        await self._http.close()
-        if self._chat_server is not None:
-            await self._chat_server.close()
-
-    async def health(self) -> bool:
-        return await self._http.ok(self.health_path)
-
-    async def info(self) -> BackendInfo:
-        return BackendInfo(model_ids=[self.upstream_model])
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        if request.messages is not None and self._chat_server is not None:
-            async with contextlib.aclosing(self._chat_server.stream(request)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-            return
-        prompt = self._prompt_text(request)
-        stops = StopStringFilter(request.params.stop)
-        generated = 0
-        async with transport_errors(self.name), contextlib.aclosing(self._generate(prompt, request)) as chunks:
-            async for chunk in chunks:
-                generated += max(len(chunk.token_ids), 1 if chunk.text else 0)
-                text, hit = stops.push(chunk.text)
-                if chunk.finish_reason is None:
-                    if text or chunk.logprobs:
-                        yield GenerationChunk(text=text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
-                    continue
-                # The server stops on the same stop string (it was sent), so its last event comes next.
-                reason = "stop" if stops.stopped else chunk.finish_reason
-                usage = chunk.usage or Usage(0, generated)
-                yield GenerationChunk(text=text + stops.flush(), token_ids=chunk.token_ids, logprobs=chunk.logprobs,
-                                      finish_reason=reason, usage=usage)
-                return
-        raise UpstreamError(f"{self.name}: the stream ended without a finish reason")
-
-    def _prompt_text(self, request: GenerationRequest) -> str:
-        if request.messages is not None:
-            if self._template_path is None:
-                raise InvalidRequestError(
-                    f"{self.name} serves chat only with `chat: template` and a local tokenizer", param="messages")
-            if self._tokenizer is None:
-                from backends.tokenizer import Tokenizer
-
-                self._tokenizer = Tokenizer(Path(self._template_path))
-            return self._tokenizer.render_chat(request.messages)
-        if not isinstance(request.prompt, str):
-            raise InvalidRequestError(f"{self.name} takes text prompts, not token ids", param="prompt")
-        return request.prompt
-
-    @abc.abstractmethod
-    def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Raw chunks from the server: text deltas (stop strings not yet cut), then one chunk with
-        ``finish_reason`` and, when the server reports them, token counts in ``usage``."""
 
 
 def raise_for_status(status: int, content: bytes, mapping: dict[int, type[BackendError]],

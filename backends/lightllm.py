@@ -24,7 +24,8 @@ from backends.base import (
     TokenLogprob,
     Usage,
 )
-from backends.http import TextServerBackend, json_body, raise_for_status, sse_events
+from backends.http import json_body, raise_for_status, sse_events
+from backends.text_server import TextServerBackend
 
 # 417 is LightLLM's answer to any exception while validating or generating; its messages are the
 # ValueErrors of SamplingParams.verify(), so they are the client's to read.

@@ -28,14 +28,15 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import DONE, HTTPClient, json_body, sse_events, transport_errors
+from backends.http import DONE, HTTPClient, RemoteConfig, json_body, sse_events, transport_errors
 
 
 class OpenAIHTTPBackend(Backend):
-    def __init__(self, model_name: str, cfg: Any) -> None:
-        """``cfg`` carries url, upstream_model, api_key and the timeouts (a ``DeploymentConfig``)."""
-        self.name = f"openai:{cfg.url}"
-        self.base_url = cfg.url.rstrip("/")
+    def __init__(self, model_name: str, cfg: RemoteConfig, url: str | None = None) -> None:
+        """``url`` replaces ``cfg.url`` (a text server's OpenAI route beside its native one)."""
+        url = url or cfg.url
+        self.name = f"openai:{url}"
+        self.base_url = url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
         self._http = HTTPClient(self.base_url, cfg, self.name)
 

@@ -27,7 +27,8 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import TextServerBackend, json_body, raise_for_status, sse_events
+from backends.http import json_body, raise_for_status, sse_events
+from backends.text_server import TextServerBackend
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 ERRORS = {422: InvalidRequestError, 400: InvalidRequestError, 413: InvalidRequestError, 424: UpstreamError,

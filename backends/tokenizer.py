@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from backends.base import InvalidRequestError
 from backends.stop_strings import StopStringFilter
 
@@ -23,11 +25,16 @@ class Tokenizer:
             self.hf = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
+        # The Rust tokenizer itself, when transformers' decode would add nothing to it: 2-3x faster per
+        # call, and incremental detokenisation decodes twice per generated token.
+        self._rust = None if self.hf.clean_up_tokenization_spaces else getattr(self.hf, "backend_tokenizer", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -53,31 +60,23 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas, cutting at stop strings.
 
-    Never emits half a UTF-8 character (decoded text ending in U+FFFD waits for the next token); stop
-    strings are never streamed (``StopStringFilter``).
+    The tokenizers library's ``DecodeStream`` does the work in Rust, one call per token (vLLM's
+    ``FastIncrementalDetokenizer``), seeded with the prompt's last tokens so that the first delta's
+    leading space comes out right; it never emits half a UTF-8 character. Stop strings are never
+    streamed (``StopStringFilter``).
     """
 
-    _CONTEXT = 5  # prompt tokens decoded as left context, so leading spaces come out right
+    _CONTEXT = 5  # prompt tokens the stream starts from
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-self._CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.skip_special = skip_special_tokens
+        self._rust = tokenizer.hf.backend_tokenizer
+        self._stream = DecodeStream(ids=list(prompt_ids[-self._CONTEXT:]), skip_special_tokens=skip_special_tokens)
         self.stops = StopStringFilter(stop)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; returns (text safe to emit now, whether a stop string was hit)."""
-        self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special)
-        delta = ""
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self.stops.push(delta)
+        return self.stops.push(self._stream.step(self._rust, token_id) or "")
 
     def flush(self) -> str:
         """Whatever is held back, at the end of generation."""

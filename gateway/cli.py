@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
-from gateway.config import DEFAULT_MODEL_NAME, DeploymentConfig, ModelRoute, Settings, load_settings
+from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
 
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
@@ -28,8 +29,10 @@ def main() -> None:
 
 
 class Dtype(str, Enum):
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 class BackendKind(str, Enum):
@@ -38,23 +41,37 @@ class BackendKind(str, Enum):
 
 
 def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None, name: str | None,
-                   backend: BackendKind = BackendKind.native) -> Settings:
+                   backend: BackendKind = BackendKind.native, device: str | None = None) -> Settings:
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
-    models with that one model served in-process by that engine."""
+    models with that one model served in-process by that engine. ``--dtype`` and ``--device`` apply to
+    every in-process deployment, and are refused where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
-        raise typer.BadParameter(f"{model} does not exist (give a local HF directory or .gguf file)",
+        raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
                                  param_hint="--model")
-    if model is not None or backend is not BackendKind.native:
-        route = ModelRoute(name=name or (model.stem if model else DEFAULT_MODEL_NAME), deployments=[DeploymentConfig(
-            kind=backend.value, model_path=str(model) if model else None, dtype=(dtype or Dtype.float32).value)])
-        settings.models = [route]
-    elif dtype is not None:
-        for route in settings.routes():
-            for d in route.deployments:
-                d.dtype = dtype.value
-        settings.models = settings.routes()
+    if device is not None and backend is not BackendKind.native:
+        raise typer.BadParameter("--device applies to the native engine only", param_hint="--device")
+    options = {key: value for key, value in (("dtype", dtype.value if dtype else None), ("device", device))
+               if value is not None}
+    try:
+        if model is not None or backend is not BackendKind.native:
+            deployment = {"kind": backend.value, "model_path": str(model) if model else None, **options}
+            settings.models = [ModelRoute(name=name or (model.stem if model else DEFAULT_MODEL_NAME),
+                                          deployments=[deployment])]
+        elif options:
+            settings.models = [_with_engine_options(route, options) for route in settings.routes()]
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--dtype/--device") from exc
     return settings
+
+
+def _with_engine_options(route: ModelRoute, options: dict[str, str]) -> ModelRoute:
+    """``route`` with ``options`` set on its native deployments (validated again); an error if it has none."""
+    if not any(d.kind == "native" for d in route.deployments):
+        raise typer.BadParameter(f"model {route.name!r} has no native deployment to apply "
+                                 f"{', '.join('--' + k for k in options)} to", param_hint="--dtype/--device")
+    return ModelRoute.model_validate({**route.model_dump(), "deployments": [
+        {**d.model_dump(), **options} if d.kind == "native" else d.model_dump() for d in route.deployments]})
 
 
 def app_from_env():
@@ -64,7 +81,7 @@ def app_from_env():
 
     args = json.loads(os.environ[_SERVE_ENV])
     settings = build_settings(*(Path(a) if a else None for a in args[:2]),
-                              Dtype(args[2]) if args[2] else None, args[3], BackendKind(args[4]))
+                              Dtype(args[2]) if args[2] else None, args[3], BackendKind(args[4]), args[5])
     return create_app(Gateway.from_settings(settings))
 
 
@@ -77,7 +94,10 @@ def serve(
     model: Annotated[Path | None, typer.Option(help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Public name for --model.")] = None,
     backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).")] = BackendKind.native,
-    dtype: Annotated[Dtype | None, typer.Option(help="Native engine dtype (default float32).")] = None,
+    dtype: Annotated[Dtype | None, typer.Option(help="In-process engine dtype (auto: bf16 where the hardware "
+                                                "computes in it, else float32).")] = None,
+    device: Annotated[str | None, typer.Option(help="Native engine device: auto (CUDA when present), cpu, cuda or "
+                                               "cuda:N.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
 ) -> None:
@@ -85,12 +105,13 @@ def serve(
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = build_settings(config, model, dtype, served_model_name, backend)
+    settings = build_settings(config, model, dtype, served_model_name, backend, device)
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
     if workers > 1:
         os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
-                                             dtype.value if dtype else None, served_model_name, backend.value])
+                                             dtype.value if dtype else None, served_model_name, backend.value,
+                                             device])
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
                     log_level=log_level)
         return

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from backends.deepspeed_inference import DeepSpeedConfig
+from backends.http import RemoteConfig, TextServerConfig
+from backends.mii import MIIConfig
+from backends.native.config import EngineConfig
 from gateway.routing import Strategy
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -23,10 +27,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DeploymentConfig(_Strict):
-    """One backend serving a public model name."""
+class _Deployment(_Strict):
+    """What the gateway itself needs of every deployment, whatever its kind."""
 
-    kind: Literal["native", "openai", "tgi", "lightllm", "mii", "deepspeed"] = "native"
     name: str | None = None  # label in metrics and /admin/backends; derived when omitted
     weight: float = Field(1.0, gt=0)
     max_concurrency: int = Field(256, ge=1)  # requests in flight on this deployment
@@ -34,35 +37,47 @@ class DeploymentConfig(_Strict):
     # timeouts enforced by the gateway for every kind; None: no limit (a burst may queue for minutes)
     first_token_timeout_s: float | None = Field(None, gt=0)
     total_timeout_s: float | None = Field(None, gt=0)
-    # in-process engines (native, deepspeed)
-    model_path: str | None = None  # local HF directory or .gguf; None: the embedded SmolLM2
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch_size: int = Field(32, ge=1)  # deepspeed: requests per static batch
-    max_model_len: int | None = None
-    kv_cache_gb: float = Field(2.0, gt=0)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=16)
-    enable_prefix_caching: bool = True
-    kernels: Literal["auto", "torch"] = "auto"  # native: compiled kernels where available, or pure torch
-    # remote servers
-    url: str | None = None
-    upstream_model: str | None = None  # the name the remote server knows the model by (MII: deployment)
-    api_key: str | None = None
-    connect_timeout_s: float = Field(5.0, gt=0)
-    read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
-    # chat on servers with a native API (tgi, lightllm, mii): their OpenAI route, or a local template
-    chat: Literal["server", "template"] = "server"
-    tokenizer: str | None = None  # local HF directory or .gguf whose chat template renders messages
 
-    @model_validator(mode="after")
-    def _check_kind(self) -> DeploymentConfig:
-        if self.kind not in ("native", "deepspeed") and not self.url:
-            raise ValueError(f"a {self.kind} deployment needs a url")
-        if self.kind == "mii" and not self.upstream_model:
-            raise ValueError("an mii deployment needs upstream_model: the MII deployment name")
-        if self.chat == "template" and not self.tokenizer:
-            raise ValueError("chat: template needs a tokenizer (a local HF directory or .gguf)")
-        return self
+
+# One class per kind: the gateway's fields plus the backend's own configuration, which the backend
+# receives whole (the native engine's ``EngineConfig``, an HTTP adapter's ``RemoteConfig`` ...).
+class NativeDeployment(_Deployment, EngineConfig):
+    kind: Literal["native"] = "native"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+
+
+class DeepSpeedDeployment(_Deployment, DeepSpeedConfig):
+    kind: Literal["deepspeed"]
+
+
+class OpenAIDeployment(_Deployment, RemoteConfig):
+    kind: Literal["openai"]
+
+
+class TGIDeployment(_Deployment, TextServerConfig):
+    kind: Literal["tgi"]
+
+
+class LightLLMDeployment(_Deployment, TextServerConfig):
+    kind: Literal["lightllm"]
+
+
+class MIIDeployment(_Deployment, MIIConfig):
+    kind: Literal["mii"]
+
+
+def _kind(value: Any) -> str:
+    """A deployment without ``kind`` is a native one."""
+    return (value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)) or "native"
+
+
+DeploymentConfig = Annotated[
+    Annotated[NativeDeployment, Tag("native")] | Annotated[DeepSpeedDeployment, Tag("deepspeed")]
+    | Annotated[OpenAIDeployment, Tag("openai")] | Annotated[TGIDeployment, Tag("tgi")]
+    | Annotated[LightLLMDeployment, Tag("lightllm")] | Annotated[MIIDeployment, Tag("mii")],
+    Discriminator(_kind)]
 
 
 class ModelRoute(_Strict):
@@ -139,7 +154,7 @@ class Settings(BaseSettings):
 
     def routes(self) -> list[ModelRoute]:
         """The configured models, or the embedded default when none is configured."""
-        return self.models or [ModelRoute(name=DEFAULT_MODEL_NAME, deployments=[DeploymentConfig()])]
+        return self.models or [ModelRoute(name=DEFAULT_MODEL_NAME, deployments=[NativeDeployment()])]
 
 
 def hash_key(key: str) -> str:

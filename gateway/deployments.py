@@ -3,38 +3,43 @@
 from __future__ import annotations
 
 from backends.base import Backend
-from gateway.config import DeploymentConfig
+from gateway.config import (
+    DeepSpeedDeployment,
+    DeploymentConfig,
+    LightLLMDeployment,
+    MIIDeployment,
+    NativeDeployment,
+    OpenAIDeployment,
+    TGIDeployment,
+)
 
 
 def build_backend(model_name: str, cfg: DeploymentConfig) -> Backend:
     """A not-yet-started backend for ``cfg`` serving the public name ``model_name``."""
-    if cfg.kind == "native":
-        from backends.native.backend import NativeBackend
-        from backends.native.config import EngineConfig
+    # Imported per kind: a gateway of remote backends never loads torch's engine code, and vice versa.
+    match cfg:
+        case NativeDeployment():
+            from backends.native.backend import NativeBackend
 
-        return NativeBackend(model_name, EngineConfig(
-            model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-            kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.enable_prefix_caching,
-            kernels=cfg.kernels))
-    if cfg.kind == "openai":
-        from backends.openai_http import OpenAIHTTPBackend
+            return NativeBackend(model_name, cfg.engine_config())
+        case OpenAIDeployment():
+            from backends.openai_http import OpenAIHTTPBackend
 
-        return OpenAIHTTPBackend(model_name, cfg)
-    if cfg.kind == "tgi":
-        from backends.tgi import TGIBackend
+            return OpenAIHTTPBackend(model_name, cfg)
+        case TGIDeployment():
+            from backends.tgi import TGIBackend
 
-        return TGIBackend(model_name, cfg)
-    if cfg.kind == "lightllm":
-        from backends.lightllm import LightLLMBackend
+            return TGIBackend(model_name, cfg)
+        case LightLLMDeployment():
+            from backends.lightllm import LightLLMBackend
 
-        return LightLLMBackend(model_name, cfg)
-    if cfg.kind == "mii":
-        from backends.deepspeed import MIIRestBackend
+            return LightLLMBackend(model_name, cfg)
+        case MIIDeployment():
+            from backends.mii import MIIRestBackend
 
-        return MIIRestBackend(model_name, cfg)
-    if cfg.kind == "deepspeed":
-        from backends.deepspeed import DeepSpeedInferenceBackend
+            return MIIRestBackend(model_name, cfg)
+        case DeepSpeedDeployment():
+            from backends.deepspeed_inference import DeepSpeedInferenceBackend
 
-        return DeepSpeedInferenceBackend(model_name, cfg)
+            return DeepSpeedInferenceBackend(model_name, cfg)
     raise ValueError(f"deployment kind {cfg.kind!r} is not supported")

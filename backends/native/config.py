@@ -5,42 +5,41 @@ from GGUF metadata)."""
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-
-log = logging.getLogger(__name__)
+from pydantic import BaseModel, ConfigDict, Field
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "dummy")
 
 
-@dataclass
-class EngineConfig:
-    """Everything the native engine is asked to run with; field names are those of the deployment config."""
+class EngineConfig(BaseModel):
+    """Everything the native engine runs with, validated once. A native deployment's configuration *is*
+    this model (plus the gateway's own fields), so a new engine setting is one field here."""
 
-    model: str | Path | None = None  # local HF directory, .gguf file or config.json; None: the embedded SmolLM2
-    tokenizer: str | Path | None = None  # default: the model's own (the embedded one for a bare config.json)
-    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (vLLM's name)
-    hf_overrides: dict[str, Any] = field(default_factory=dict)  # config.json fields replaced (e.g. fewer layers)
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str | None = None  # local HF directory, .gguf file or config.json; None: the embedded SmolLM2
+    tokenizer: str | None = None  # default: the model's own (the embedded one for a bare config.json)
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights (vLLM's name)
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)  # config.json fields replaced (e.g. fewer layers)
     seed: int = 0  # of dummy weights
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    device: str = "auto"  # auto (CUDA when present) | cpu | cuda | cuda:N
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # KV budget; None: 2 GiB on CPU, gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use in all (vLLM's name)
-    num_blocks: int | None = None  # overrides both (tests force preemption with tiny values)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: CUDA when present
+    block_size: int = Field(16, ge=1, le=64)
+    kv_cache_gb: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # share of the GPU this engine may use (vLLM's name)
+    num_blocks: int | None = Field(None, ge=1)  # overrides both (tests force preemption with tiny values)
+    max_model_len: int | None = Field(None, ge=2)  # default: the model's max_position_embeddings
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    num_threads: int | None = None
-    kernels: str = "auto"  # auto: C kernels on CPU, Triton on CUDA, where available; torch: pure torch
+    num_threads: int | None = Field(None, ge=1)
+    kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
 
     def torch_device(self) -> torch.device:
@@ -48,8 +47,6 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         device = torch.device(self.device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: CUDA is not available on this machine")
@@ -63,8 +60,6 @@ class EngineConfig:
         """``dtype`` resolved: ``auto`` is bf16 where the hardware computes in it natively (CUDA with bf16,
         CPUs with AMX or AVX512-BF16), float16 on older GPUs, float32 otherwise."""
         if self.dtype != "auto":
-            if self.dtype not in DTYPES:
-                raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {[*DTYPES, 'auto']}")
             return DTYPES[self.dtype]
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -31,7 +31,7 @@ CSRC = Path(__file__).with_name("csrc")
 # only: linking with -ffast-math adds crtfastmath.o, which turns on flush-to-zero for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the storage types the kernels read: their `is_bf16` flag
+DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}  # the storage types the kernels read: their `is_bf16` flag
 
 i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # every exported function returns int (0, or nonzero for a layout it refuses)

@@ -48,7 +48,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model_path = Path(config.model) if config.model else default_model_path()
+        model_path = Path(config.model_path) if config.model_path else default_model_path()
         self.model_path = model_path
         checkpoint = open_checkpoint(model_path, config.hf_overrides)
         self.model_config = checkpoint.config

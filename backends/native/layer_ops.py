@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.native.cpu_kernels import DTYPES, library, load
+from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
 from backends.native.rotary import apply_rotary
 
 
@@ -67,7 +67,7 @@ class CpuLayerOps:
 
     @staticmethod
     def available(dtype: torch.dtype, device: torch.device) -> bool:
-        return device.type == "cpu" and dtype in DTYPES and load() is not None
+        return device.type == "cpu" and dtype in DTYPE_FLAGS and load() is not None
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -77,7 +77,7 @@ class CpuLayerOps:
         x = x.contiguous()
         out = x if residual is not None else torch.empty_like(x)
         library().add_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                               out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPES[x.dtype])
+                               out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, DTYPE_FLAGS[x.dtype])
         return out, x if residual is None else residual
 
     @staticmethod
@@ -86,7 +86,7 @@ class CpuLayerOps:
         x = x.contiguous()
         out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
         library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], out.shape[-1],
-                               DTYPES[x.dtype])
+                               DTYPE_FLAGS[x.dtype])
         return out
 
     @staticmethod
@@ -98,6 +98,6 @@ class CpuLayerOps:
         cos, sin = cos.contiguous(), sin.contiguous()
         library().rotary_store_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slot_mapping.data_ptr(), t, num_heads, num_kv_heads, d,
-                                  k_cache.shape[1] * k_cache.shape[2], DTYPES[qkv.dtype])
+                                  k_cache.shape[1] * k_cache.shape[2], DTYPE_FLAGS[qkv.dtype])
         heads = qkv.view(t, -1, d)
         return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]

@@ -55,7 +55,7 @@ class ModelRunner:
         self.num_blocks = config.num_blocks or self._fit_blocks(config)
         if self.num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization / kv_cache_bytes")
+                             "gpu_memory_utilization / kv_cache_gb")
         self.kernels: Kernels = choose_kernels(config.kernels, self.model.config, self.dtype, self.device,
                                                self.block_size, self.num_blocks)
         self.model.use_kernels(self.kernels)
@@ -67,8 +67,6 @@ class ModelRunner:
                                        -(-max_model_len // self.block_size))
 
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
-        if config.load_format not in ("auto", "dummy"):
-            raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
         if config.load_format == "dummy":
             model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device)
             model.init_dummy_weights(config.seed)
@@ -88,8 +86,9 @@ class ModelRunner:
 
     def _fit_blocks(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
-        if config.kv_cache_bytes is not None or self.device.type != "cuda":
-            return (config.kv_cache_bytes or CPU_KV_CACHE_BYTES) // per_block
+        if config.kv_cache_gb is not None or self.device.type != "cuda":
+            budget = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb is not None else CPU_KV_CACHE_BYTES
+            return budget // per_block
         free, total = self._profile(config)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         log.info("KV cache: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f; %.2f GiB used by weights, "

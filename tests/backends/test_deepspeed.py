@@ -10,9 +10,9 @@ import torch
 from openai import OpenAI
 
 from backends.base import GenerationRequest, InvalidRequestError, SamplingParams, UnavailableError, UpstreamError
-from backends.deepspeed import MIIRestBackend
+from backends.mii import MIIConfig, MIIRestBackend
 from gateway.app import create_app
-from gateway.config import DeploymentConfig, ModelRoute, Settings
+from gateway.config import ModelRoute, Settings
 from gateway.service import Gateway
 from tests.backends.adapters import collect
 from tests.backends.native.reference import hf_greedy
@@ -28,7 +28,7 @@ def mii_url():
 
 
 def run_mii(url: str, *, deployment="toy-deployment", cfg=None, **kw):
-    return collect(lambda: MIIRestBackend("toy", DeploymentConfig(kind="mii", url=url, upstream_model=deployment,
+    return collect(lambda: MIIRestBackend("toy", MIIConfig(url=url, upstream_model=deployment,
                                                                   **(cfg or {}))), False, **kw)
 
 
@@ -63,7 +63,7 @@ def test_mii_errors(mii_url):
 # ------------------------------------------------------------------------------- DeepSpeed-Inference
 @pytest.fixture(scope="module")
 def deepspeed_gateway():
-    settings = Settings(models=[ModelRoute(name="ds", deployments=[DeploymentConfig(kind="deepspeed",
+    settings = Settings(models=[ModelRoute(name="ds", deployments=[dict(kind="deepspeed",
                                                                                     max_batch_size=8)])])
     with serve_app(create_app(Gateway.from_settings(settings))) as url:
         yield url
@@ -108,10 +108,10 @@ def test_deepspeed_inference_rejects_bad_input_and_survives_a_client_leaving(dee
 
 
 def test_deepspeed_inference_keeps_rope_frequencies_in_fp32_under_bf16():
-    from backends.deepspeed import DeepSpeedInferenceBackend
+    from backends.deepspeed_inference import DeepSpeedConfig, DeepSpeedInferenceBackend
 
     async def main():
-        backend = DeepSpeedInferenceBackend("ds", DeploymentConfig(kind="deepspeed", dtype="bfloat16"))
+        backend = DeepSpeedInferenceBackend("ds", DeepSpeedConfig(dtype="bfloat16"))
         await backend.start()
         try:
             rope = {n: b.dtype for n, b in backend.model.named_buffers() if "inv_freq" in n}

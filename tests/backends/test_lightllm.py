@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from backends.base import InvalidRequestError, OverloadedError, UnavailableError
+from backends.http import TextServerConfig
 from backends.lightllm import LightLLMBackend
-from gateway.config import DeploymentConfig
 from tests.backends.adapters import collect
 from tests.fakes.lightllm import create_lightllm_app
 from tests.servers import serve_app
@@ -21,7 +21,7 @@ def url():
 
 
 def run(url: str, stream: bool = True, **kw):
-    return collect(lambda: LightLLMBackend("toy", DeploymentConfig(kind="lightllm", url=url)), stream, **kw)
+    return collect(lambda: LightLLMBackend("toy", TextServerConfig(url=url)), stream, **kw)
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -25,8 +25,8 @@ from backends.base import (
     UnavailableError,
     UpstreamError,
 )
+from backends.http import RemoteConfig
 from backends.openai_http import OpenAIHTTPBackend
-from gateway.config import DeploymentConfig
 from loadtest.mock_server import create_mock_app
 from tests.conftest import MODEL
 from tests.servers import free_port, serve_app
@@ -35,7 +35,7 @@ _ids = itertools.count()
 
 
 def _adapter(url: str, **kw) -> OpenAIHTTPBackend:
-    return OpenAIHTTPBackend(MODEL, DeploymentConfig(kind="openai", url=url, **kw))
+    return OpenAIHTTPBackend(MODEL, RemoteConfig(url=url, **kw))
 
 
 def _req(prompt=None, messages=None, **params) -> GenerationRequest:

@@ -15,8 +15,8 @@ from backends.base import (
     UnavailableError,
     UpstreamError,
 )
+from backends.http import TextServerConfig
 from backends.tgi import TGIBackend
-from gateway.config import DeploymentConfig
 from tests.backends.adapters import collect
 from tests.fakes.tgi import create_tgi_app
 from tests.servers import serve_app
@@ -31,7 +31,7 @@ def tgi_url():
 
 
 def run(url: str, stream: bool = True, *, cfg=None, **kw):
-    return collect(lambda: TGIBackend("toy", DeploymentConfig(kind="tgi", url=url, **(cfg or {}))), stream, **kw)
+    return collect(lambda: TGIBackend("toy", TextServerConfig(url=url, **(cfg or {}))), stream, **kw)
 
 
 # ------------------------------------------------------------------------- the fake is TGI's format
@@ -115,7 +115,7 @@ def test_chat_through_tgis_openai_route_or_a_local_template(tgi_url, smollm2_pat
 
 def test_info_tokenize_and_health(tgi_url):
     async def main():
-        adapter = TGIBackend("toy", DeploymentConfig(kind="tgi", url=tgi_url))
+        adapter = TGIBackend("toy", TextServerConfig(url=tgi_url))
         try:
             return await adapter.health(), await adapter.info(), await adapter.tokenize("a b c")
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import typer
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
@@ -75,6 +76,46 @@ def test_invalid_config_is_refused(tmp_path, bad):
         load_settings(path)
 
 
+def test_native_deployments_hand_every_engine_setting_to_the_engine_whole():
+    from backends.native.config import EngineConfig
+    from gateway.config import NativeDeployment
+
+    values = {"dtype": "bfloat16", "device": "cpu", "kv_cache_gb": 0.5, "max_num_seqs": 7, "enforce_eager": True,
+              "gpu_memory_utilization": 0.5, "load_format": "dummy", "hf_overrides": {"num_hidden_layers": 2},
+              "kernels": "torch", "max_model_len": 128, "num_threads": 1, "enable_chunked_prefill": False}
+    deployment = Settings(models=[{"name": "m", "deployments": [values]}]).models[0].deployments[0]
+    engine = build_backend("m", deployment).config
+    assert type(engine) is EngineConfig and engine.model_dump(include=set(values)) == values
+    # every engine setting is a deployment setting: a new one is one field in EngineConfig
+    assert set(EngineConfig.model_fields) <= set(NativeDeployment.model_fields)
+
+
+def test_api_keys_come_from_the_environment_by_name(monkeypatch):
+    monkeypatch.setenv("UPSTREAM_KEY", "sk-secret")
+    models = [{"name": "a", "deployments": [{"kind": "openai", "url": "http://x/v1", "api_key_env": "UPSTREAM_KEY"},
+                                            {"kind": "tgi", "url": "http://y", "api_key": "os.environ/UPSTREAM_KEY"}]}]
+    assert [d.api_key for d in Settings(models=models).models[0].deployments] == ["sk-secret", "sk-secret"]
+    monkeypatch.delenv("UPSTREAM_KEY")
+    with pytest.raises(ValueError, match="UPSTREAM_KEY named for the api key is not set"):
+        Settings(models=models)
+
+
+def test_serve_options_reach_the_default_deployment():
+    (route,) = build_settings(None, None, Dtype.bfloat16, None, device="cpu").routes()
+    assert (route.deployments[0].dtype, route.deployments[0].device) == ("bfloat16", "cpu")
+    with pytest.raises(typer.BadParameter, match="device"):
+        build_settings(None, None, None, None, device="gpu7")
+    with pytest.raises(typer.BadParameter, match="--device applies to the native engine only"):
+        build_settings(None, None, None, None, BackendKind.deepspeed, device="cpu")
+
+
+def test_engine_options_are_refused_where_no_native_deployment_would_use_them(tmp_path):
+    path = tmp_path / "remote.yaml"
+    path.write_text("models: [{name: r, deployments: [{kind: openai, url: 'http://x/v1'}]}]")
+    with pytest.raises(typer.BadParameter, match="no native deployment"):
+        build_settings(path, None, Dtype.float16, None)
+
+
 def test_model_option_serves_a_local_path(tmp_path, smollm2_path):
     s = build_settings(None, smollm2_path, None, "mine")
     (route,) = s.routes()
@@ -109,9 +150,16 @@ def test_shipped_example_config_is_valid():
     ([{"name": "a", "deployments": [{"kind": "native"}], "fallbacks": ["b"]}], "fallbacks must name other"),
     ([{"name": "a", "deployments": [{"kind": "native"}], "fallbacks": ["a"]}], "fallbacks must name other"),
     ([{"name": "a", "deployments": [{"kind": "native"}], "routing": "random"}], "routing"),
-    ([{"name": "a", "deployments": [{"kind": "mii", "url": "http://x"}]}], "MII deployment name"),
+    ([{"name": "a", "deployments": [{"kind": "mii", "url": "http://x"}]}], r"mii\.upstream_model\n +Field required"),
     ([{"name": "a", "deployments": [{"kind": "tgi", "url": "http://x", "chat": "template"}]}], "needs a tokenizer"),
-    ([{"name": "a", "deployments": [{"kind": "lightllm"}]}], "needs a url"),
+    ([{"name": "a", "deployments": [{"kind": "lightllm"}]}], r"lightllm\.url\n +Field required"),
+    # a field of another kind is refused, naming the kind it was given to
+    ([{"name": "a", "deployments": [{"kind": "tgi", "url": "http://x", "kv_cache_gb": 4}]}],
+     r"tgi\.kv_cache_gb\n +Extra inputs are not permitted"),
+    ([{"name": "a", "deployments": [{"url": "http://x"}]}], r"native\.url\n +Extra inputs are not permitted"),
+    ([{"name": "a", "deployments": [{"kind": "deepspeed", "max_num_seqs": 4}]}], r"deepspeed\.max_num_seqs"),
+    ([{"name": "a", "deployments": [{"kind": "native", "device": "tpu"}]}], r"native\.device"),
+    ([{"name": "a", "deployments": [{"kind": "native", "gpu_memory_utilization": 1.5}]}], "gpu_memory_utilization"),
 ])
 def test_routing_and_deployment_mistakes_are_refused_at_load(models, message):
     with pytest.raises(ValueError, match=message):

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.app import create_app
-from gateway.config import DeploymentConfig, ModelRoute, Router, Settings
+from gateway.config import ModelRoute, OpenAIDeployment, Router, Settings
 from gateway.service import Gateway
 from tests.servers import free_port, serve_app, spawn_mock_server, wait_for_port
 
@@ -25,8 +25,8 @@ FAST_RECOVERY = Router(retries=3, retry_backoff_s=0.01, breaker_failures=3, brea
                        health_interval_s=0.2, health_timeout_s=1.0)
 
 
-def remote(name: str, url: str, **kw) -> DeploymentConfig:
-    return DeploymentConfig(kind="openai", name=name, url=url, upstream_model="mock", **kw)
+def remote(name: str, url: str, **kw) -> OpenAIDeployment:
+    return OpenAIDeployment(kind="openai", name=name, url=url, upstream_model="mock", **kw)
 
 
 def metric(url: str, name: str, **labels) -> float:

@@ -7,16 +7,16 @@ from collections import Counter
 import pytest
 
 from backends.base import GenerationRequest, SamplingParams, UnavailableError
+from backends.http import RemoteConfig
 from backends.openai_http import OpenAIHTTPBackend
 from gateway.breaker import CircuitBreaker
-from gateway.config import DeploymentConfig
 from gateway.limits import ConcurrencyLimiter
 from gateway.routing import Deployment, ModelGroup
 
 
 def deployment(name: str, weight: float = 1.0, in_flight: int = 0) -> Deployment:
     # A real adapter that is never called: routing looks only at the deployment's own state.
-    backend = OpenAIHTTPBackend("m", DeploymentConfig(kind="openai", url="http://127.0.0.1:9/v1"))
+    backend = OpenAIHTTPBackend("m", RemoteConfig(url="http://127.0.0.1:9/v1"))
     d = Deployment(name, backend, weight, ConcurrencyLimiter(8, 8), CircuitBreaker(2, 60.0))
     d.limiter.in_flight = in_flight
     return d

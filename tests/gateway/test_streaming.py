@@ -89,9 +89,10 @@ def test_backend_failure_mid_stream_is_an_sse_error_then_done(start_gateway):
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
+    from backends.http import RemoteConfig
     from backends.openai_http import OpenAIHTTPBackend
     from gateway.app import create_app
-    from gateway.config import DeploymentConfig, Settings
+    from gateway.config import Settings
     from gateway.routing import Deployment, ModelGroup
     from gateway.service import Gateway
     from tests.servers import serve_app
@@ -107,7 +108,7 @@ def test_backend_failure_mid_stream_is_an_sse_error_then_done(start_gateway):
 
     upstream = Starlette(routes=[Route("/v1/completions", dying, methods=["POST"]), Route("/v1/models", models)])
     with serve_app(upstream) as up:
-        backend = OpenAIHTTPBackend("m", DeploymentConfig(kind="openai", url=f"{up}/v1"))
+        backend = OpenAIHTTPBackend("m", RemoteConfig(url=f"{up}/v1"))
         gateway = Gateway(Settings(), [ModelGroup("m", [Deployment("dying", backend)])])
         with serve_app(create_app(gateway)) as url:
             with httpx.stream("POST", f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from benchmarks.peers import VLLM_PYTHON, free_port, start_vllm
 from gateway.app import create_app
-from gateway.config import DeploymentConfig, ModelRoute, Settings
+from gateway.config import ModelRoute, OpenAIDeployment, Settings
 from gateway.service import Gateway
 from tests.backends.native.reference import hf_greedy
 from tests.servers import serve_app
@@ -39,7 +39,7 @@ def vllm_url():
 @pytest.fixture(scope="module")
 def gateway_url(vllm_url):
     settings = Settings(models=[ModelRoute(name="smol", deployments=[
-        DeploymentConfig(kind="openai", name="vllm", url=f"{vllm_url}/v1", upstream_model="smollm2")])])
+        OpenAIDeployment(kind="openai", name="vllm", url=f"{vllm_url}/v1", upstream_model="smollm2")])])
     with serve_app(create_app(Gateway.from_settings(settings))) as url:
         yield url
 

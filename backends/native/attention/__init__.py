@@ -5,6 +5,8 @@
 - ``TritonAttention`` (triton_attention.py): one Triton kernel for prefill and decode, on CUDA; the path
   CUDA graphs capture.
 
+The elementwise layer ops come with the path: torch, C (layer_ops.py) or Triton (triton_layer_ops.py).
+
 Each builds its own metadata from the scheduler's flat ``Batch`` and runs every layer's attention. A new
 kernel path is one more backend here and one more branch in ``choose_kernels``.
 """
@@ -39,19 +41,21 @@ class Kernels:
 
 def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                    block_size: int, num_blocks: int) -> Kernels:
-    """``auto``: on CUDA, the Triton kernel (torch layer ops); on CPU, the C kernels for attention and layer
-    ops where they build here and take this layout. ``torch``: pure torch everywhere."""
+    """``auto``: on CUDA, the Triton kernels for attention and layer ops; on CPU, the C kernels, where they
+    build here; either where they take the layout (head size, heads per KV head). ``torch``: pure torch."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {KERNEL_CHOICES}")
     torch_attention = TorchAttention(block_size, num_blocks, device)
     if kernels == "torch":
         return Kernels(torch_attention, TorchLayerOps)
-    if device.type == "cuda":
+    if device.type == "cuda":  # imported here: CPU installs need no Triton
         from backends.native.attention import triton_attention
+        from backends.native.triton_layer_ops import TritonLayerOps
 
+        layer_ops = TritonLayerOps if TritonLayerOps.available(dtype, config.head_dim) else TorchLayerOps
         if triton_attention.supports(config.head_dim):
-            return Kernels(triton_attention.TritonAttention(block_size, num_blocks, device), TorchLayerOps)
-        return Kernels(torch_attention, TorchLayerOps)
+            return Kernels(triton_attention.TritonAttention(block_size, num_blocks, device), layer_ops)
+        return Kernels(torch_attention, layer_ops)
     from backends.native.attention import cpu_attention
 
     layer_ops = CpuLayerOps if CpuLayerOps.available(dtype, device) else TorchLayerOps

@@ -16,7 +16,7 @@ import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
 from backends.native.batch import Batch
-from backends.native.cpu_kernels import DTYPES, library, load
+from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
 
 
 @dataclass
@@ -61,7 +61,7 @@ class CpuAttention(AttentionBackend):
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether attention of this layout can run on the kernels: built here, a storage type and shape they take."""
-    lib = load() if dtype in DTYPES else None
+    lib = load() if dtype in DTYPE_FLAGS else None
     return lib is not None and bool(lib.paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size))
 
 
@@ -109,5 +109,5 @@ def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     _checked(kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     tables.stride(0), *(t.data_ptr() for t in per_sequence), out.data_ptr(), len(per_sequence[0]),
-                    q.shape[1], hkv, num_blocks, block_size, d, scale, DTYPES[q.dtype]), q, k_cache)
+                    q.shape[1], hkv, num_blocks, block_size, d, scale, DTYPE_FLAGS[q.dtype]), q, k_cache)
     return out

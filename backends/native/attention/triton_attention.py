@@ -54,7 +54,8 @@ class TritonAttention(AttentionBackend):
         """Buffers for decode steps of up to ``max_seqs`` sequences, for graphs to capture."""
         i32 = dict(dtype=torch.int32, device=self.device)
         return TritonMetadata(
-            slot_mapping=torch.zeros(max_seqs, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((max_seqs,), self.scratch_block * self.block_size, dtype=torch.int64,
+                                    device=self.device),
             logits_indices=torch.arange(max_seqs, dtype=torch.int64, device=self.device),
             block_tables=torch.full((max_seqs, max_blocks), self.scratch_block, **i32),
             query_starts=torch.arange(max_seqs + 1, **i32),

@@ -15,33 +15,12 @@ from backends.base import SamplingParams
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy
+from tests.backends.native.reference import hf_greedy, parity_prompts
 
 NEW_TOKENS = 64
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
-    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
-    "What is 17 times 23?", "Give me a tip for learning to cook.", "Why is the sky blue?",
-    "Summarise the plot of Cinderella in two sentences.", "What does a CPU do?", "Name a famous painting.",
-]
-LONG_CONTEXT = (
-    "The history of computing is a story of abstraction. Early machines were programmed by rewiring; "
-    "stored programs made software possible, compilers made it portable, and operating systems shared "
-    "one machine among many users. Networks then joined machines together. "
-) * 4
-RAW_TEXTS = [
-    "Once upon a time", "def fibonacci(n):", "The three laws of thermodynamics are",
-    LONG_CONTEXT + "In summary,", LONG_CONTEXT + "The most important idea was",
-    LONG_CONTEXT * 2 + "Looking ahead,", "import torch\nimport numpy as np\n\n", "1, 2, 3, 5, 8, 13,",
-    "Dear hiring manager,", "Q: What is the boiling point of water?\nA:", "Paris is", "<html><body>",
-]
-
-
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> list[list[int]]:
-    chats = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-    raws = [smollm2_tokenizer.encode(t) for t in RAW_TEXTS]
-    return chats + raws
+    return parity_prompts(smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")

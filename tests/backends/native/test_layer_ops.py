@@ -1,33 +1,62 @@
-"""The C layer ops compute what the torch reference computes (HF Llama's rounding in bf16), in place
-where their contract says so, for fp32 and bf16 and for awkward values."""
+"""The C and Triton layer ops compute what the torch reference computes (HF Llama's rounding in bf16), in
+place where their contract says so, for fp32 and bf16 and for awkward values. Triton runs on a GPU, or
+on CPU under its interpreter (fp32 there: the interpreter has no bf16 arithmetic)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
 
-from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
-from backends.native.rotary import RotaryEmbedding
+if not torch.cuda.is_available():  # before the Triton kernels are decorated: run them on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DTYPES = [torch.float32, torch.bfloat16]
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
+from backends.native.rotary import RotaryEmbedding  # noqa: E402
+
 # bf16: both sides round at the same points, but the fp32 arithmetic before a rounding may differ by
 # an ulp, which can flip a rounded value by one bf16 ulp (2^-8 relative); two roundings, two ulps.
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2 ** -6)}
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None and (GPU or os.environ.get("TRITON_INTERPRET") == "1")
 
-pytestmark = pytest.mark.skipif(not CpuLayerOps.available(torch.float32, torch.device("cpu")),
-                                reason="no C compiler here")
+
+def _triton_ops():
+    from backends.native.triton_layer_ops import TritonLayerOps
+
+    return TritonLayerOps
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def _cases():
+    """(ops, device, dtype) for every implementation that can run here."""
+    no_c = not CpuLayerOps.available(torch.float32, torch.device("cpu"))
+    for dtype in (torch.float32, torch.bfloat16):
+        yield pytest.param("C", "cpu", dtype, marks=pytest.mark.skipif(no_c, reason="no C compiler here"),
+                           id=f"C-{dtype}".replace("torch.", ""))
+        runs = HAS_TRITON and (GPU or dtype == torch.float32)
+        yield pytest.param("Triton", "cuda" if GPU else "cpu", dtype, id=f"Triton-{dtype}".replace("torch.", ""),
+                           marks=pytest.mark.skipif(not runs, reason="Triton: a GPU, or fp32 under the interpreter"))
+
+
+CASES = list(_cases())
+
+
+def _ops(name: str):
+    return CpuLayerOps if name == "C" else _triton_ops()
+
+
+@pytest.mark.parametrize("ops, device, dtype", CASES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(dtype, with_residual):
+def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(ops, device, dtype, with_residual):
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
-    residual = torch.randn(37, 576, generator=gen).to(dtype) if with_residual else None
-    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype).to(device)
+    residual = torch.randn(37, 576, generator=gen).to(dtype).to(device) if with_residual else None
+    weight = (torch.rand(576, generator=gen).to(dtype) + 0.5).to(device)
     want_out, want_residual = TorchLayerOps.add_rms_norm(x.clone(), None if residual is None else residual.clone(),
                                                          weight, 1e-5)
-    got_out, got_residual = CpuLayerOps.add_rms_norm(x, residual, weight, 1e-5)
+    got_out, got_residual = _ops(ops).add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(got_out, want_out, **TOLERANCE[dtype])
     torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)  # one rounded add: exact
     if with_residual:
@@ -36,34 +65,35 @@ def test_add_rms_norm_matches_torch_and_updates_the_residual_in_place(dtype, wit
         assert got_residual is x and got_out.data_ptr() != x.data_ptr()  # x is the next residual: kept
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_torch_including_extreme_gates(dtype):
+@pytest.mark.parametrize("ops, device, dtype", CASES)
+def test_silu_and_mul_matches_torch_including_extreme_gates(ops, device, dtype):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(19, 2 * 1536, generator=gen) * 4).to(dtype)
     x[0, :6] = torch.tensor([-1e4, -100.0, -88.0, 88.0, 100.0, 1e4])  # exp over- and underflow in silu
     x[0, 1536:1542] = 1.0
-    got = CpuLayerOps.silu_and_mul(x)
+    x = x.to(device)
+    got = _ops(ops).silu_and_mul(x)
     torch.testing.assert_close(got, TorchLayerOps.silu_and_mul(x), **TOLERANCE[dtype])
     assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops, device, dtype", CASES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_rotary_store_kv_matches_torch_and_fills_the_same_cache_slots(dtype, num_heads, num_kv_heads, head_dim):
+def test_rotary_store_kv_matches_torch_and_fills_the_same_cache_slots(ops, device, dtype, num_heads, num_kv_heads,
+                                                                      head_dim):
     gen = torch.Generator().manual_seed(2)
     tokens, num_blocks, block_size = 23, 8, 16
-    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(device)
     positions = torch.randint(0, 4000, (tokens,), generator=gen)
-    cos, sin = RotaryEmbedding(head_dim, 4096, 10000.0, None).tables(positions)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
-    caches = {ops: [torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype) for _ in range(2)]
-              for ops in (TorchLayerOps, CpuLayerOps)}
-    want = TorchLayerOps.rotary_store_kv(qkv.clone(), num_heads, num_kv_heads, cos, sin, *caches[TorchLayerOps],
-                                         slots)
-    got = CpuLayerOps.rotary_store_kv(qkv, num_heads, num_kv_heads, cos, sin, *caches[CpuLayerOps], slots)
+    cos, sin = RotaryEmbedding(head_dim, 4096, 10000.0, None, device).tables(positions.to(device))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(device)
+    caches = {impl: [torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+                     for _ in range(2)] for impl in ("torch", ops)}
+    want = TorchLayerOps.rotary_store_kv(qkv.clone(), num_heads, num_kv_heads, cos, sin, *caches["torch"], slots)
+    got = _ops(ops).rotary_store_kv(qkv, num_heads, num_kv_heads, cos, sin, *caches[ops], slots)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOLERANCE[dtype])
-    for g, w in zip(caches[CpuLayerOps], caches[TorchLayerOps]):
+    for g, w in zip(caches[ops], caches["torch"]):
         torch.testing.assert_close(g, w, **TOLERANCE[dtype])
         assert (g.view(num_kv_heads, -1, head_dim)[:, slots] != 0).all()  # every token landed in its slot
     assert got[0].data_ptr() == qkv.data_ptr()  # q is a view of qkv, rotated in place

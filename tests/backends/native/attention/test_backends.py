@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernel is decorated: run on CPU tensors
+if not torch.cuda.is_available():  # before the Triton kernel is decorated: run it on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from backends.native.attention import Kernels, choose_kernels  # noqa: E402
 from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
@@ -20,9 +21,9 @@ from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import ModelConfig  # noqa: E402
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None and (
-    os.environ["TRITON_INTERPRET"] == "1" or torch.cuda.is_available())
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] != "1" else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None and (INTERPRETED or torch.cuda.is_available())
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 BLOCK_SIZE, NUM_BLOCKS = 16, 96
 LAYOUTS = [(4, 4, 32), (9, 3, 64), (8, 2, 128), (40, 8, 128)]  # (query heads, KV heads, head_dim)
 # (cached tokens, new tokens) per sequence: decodes first (longest context first), then prefill chunks
@@ -125,10 +126,13 @@ def test_kernels_are_chosen_by_config_and_device():
     wide = _tiny_config(num_heads=32, num_kv_heads=1)
     assert _chosen(choose_kernels("auto", wide, torch.float32, cpu, 16, 8)) == ("TorchAttention", CpuLayerOps)
     if HAS_TRITON:  # Triton on CUDA, for every layout with a power-of-two head size
+        from backends.native.triton_layer_ops import TritonLayerOps
+
         cuda = torch.device("cuda")
-        assert _chosen(choose_kernels("auto", cfg, torch.float32, cuda, 16, 8)) == ("TritonAttention", TorchLayerOps)
+        assert _chosen(choose_kernels("auto", cfg, torch.float32, cuda, 16, 8)) == ("TritonAttention", TritonLayerOps)
         odd = _tiny_config(hidden_size=96, num_heads=4, head_dim=24)
         assert _chosen(choose_kernels("auto", odd, torch.float32, cuda, 16, 8)) == ("TorchAttention", TorchLayerOps)
+        assert _chosen(choose_kernels("torch", cfg, torch.float32, cuda, 16, 8)) == ("TorchAttention", TorchLayerOps)
     assert _chosen(choose_kernels("torch", cfg, torch.float32, cpu, 16, 8)) == ("TorchAttention", TorchLayerOps)
     with pytest.raises(ValueError, match="unknown kernels"):
         choose_kernels("flash", cfg, torch.float32, cpu, 16, 8)

@@ -1,16 +1,6 @@
-"""DeepSpeed: MII deployments over MII's REST gateway, and DeepSpeed-Inference in-process.
-
-MII (deepspeedai/DeepSpeed-MII, mii/grpc_related/restful_gateway.py): ``POST /mii/<deployment>``
-with ``client.generate``'s keyword arguments (``prompts``, ``max_new_tokens``, ``do_sample``,
-``top_p``, ``top_k``, ``temperature``, ``ignore_eos``, ``min_new_tokens``, ``stop``; see
-mii/config.py ``GenerateParamsConfig``, whose defaults are do_sample=True and top_p=0.9, so both are
-always sent), answered by a list of ``{generated_text, prompt_length, generated_length,
-finish_reason}`` (mii/batching/data_classes.py). No streaming: the answer is one chunk. Any failure
-is Flask's 500. ``GET /healthz`` answers "ok". MII's OpenAI server is reached with the ``openai`` kind.
-
-DeepSpeed-Inference: an HF model wrapped by ``deepspeed.init_inference`` (kernel injection only on
-CUDA), served with static batching as DeepSpeed-Inference users do: waiting requests are padded into
-one batch of at most ``max_batch_size`` that decodes until its last member finishes; each token is
+"""DeepSpeed-Inference in-process: an HF model wrapped by ``deepspeed.init_inference`` (kernel injection
+only on CUDA), served with static batching as DeepSpeed-Inference users do: waiting requests are padded
+into one batch of at most ``max_batch_size`` that decodes until its last member finishes; each token is
 streamed as soon as it is sampled (vLLM sampling semantics, shared with the native engine).
 """
 
@@ -23,9 +13,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import (
     Backend,
@@ -39,7 +30,7 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import TextServerBackend, json_body, raise_for_status
+from backends.native.config import DTYPES
 from backends.native.sampler import Sampled, sample
 from backends.native.sequence import Sequence
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,50 +38,14 @@ from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------ MII REST
-class MIIRestBackend(TextServerBackend):
-    kind = "mii"
-    health_path = "/healthz"
+class DeepSpeedConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def __init__(self, model_name: str, cfg: Any) -> None:
-        super().__init__(model_name, cfg)
-        self.path = f"/mii/{cfg.upstream_model}"
-
-    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
-        raise_for_status(r.status, r.content, {404: UnavailableError}, "message")
-        try:
-            reply = json_body(r.content)[0]
-            yield GenerationChunk(text=reply["generated_text"], finish_reason=_mii_finish(reply["finish_reason"]),
-                                  usage=Usage(reply["prompt_length"], reply["generated_length"]))
-        except (KeyError, IndexError, TypeError) as exc:
-            raise UpstreamError(f"malformed reply from MII: {r.text[:200]!r}") from exc
+    model_path: str | None = None  # local HF directory or .gguf; None: the embedded SmolLM2
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(32, ge=1)  # requests per static batch
 
 
-def mii_parameters(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling settings in MII's ``generate`` keywords; what MII cannot do is refused."""
-    for name, used in {"min_p": p.min_p != 0.0, "seed": p.seed is not None, "logprobs": p.logprobs is not None,
-                       "stop_token_ids": bool(p.stop_token_ids), "repetition_penalty": p.repetition_penalty != 1.0,
-                       "presence_penalty": p.presence_penalty != 0.0,
-                       "frequency_penalty": p.frequency_penalty != 0.0}.items():
-        if used:
-            raise InvalidRequestError(f"{name} is not supported by DeepSpeed-MII backends", param=name)
-    out: dict[str, Any] = {"do_sample": not p.greedy, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
-                           "min_new_tokens": p.min_tokens, "stop": p.stop}
-    if p.max_tokens is not None:
-        out["max_new_tokens"] = p.max_tokens
-    if not p.greedy:
-        out["temperature"] = p.temperature
-        if p.top_k > 0:
-            out["top_k"] = p.top_k
-    return out
-
-
-def _mii_finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-# -------------------------------------------------------------------------- DeepSpeed-Inference
 @dataclass(eq=False)
 class _Job:
     seq: Sequence
@@ -106,12 +61,12 @@ class _Job:
 class DeepSpeedInferenceBackend(Backend):
     """A transformers model wrapped by ``deepspeed.init_inference``, batched and streamed in one thread."""
 
-    def __init__(self, model_name: str, cfg: Any) -> None:
+    def __init__(self, model_name: str, cfg: DeepSpeedConfig) -> None:
         self.model_name = model_name
         self.name = "deepspeed-inference"
         self.cfg = cfg
         self.max_batch_size = cfg.max_batch_size
-        self.dtype = getattr(torch, cfg.dtype)
+        self.dtype = DTYPES[cfg.dtype]
         self.model = None
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0

@@ -1,0 +1,73 @@
+"""DeepSpeed-MII deployments over MII's REST gateway.
+
+MII (deepspeedai/DeepSpeed-MII, mii/grpc_related/restful_gateway.py): ``POST /mii/<deployment>``
+with ``client.generate``'s keyword arguments (``prompts``, ``max_new_tokens``, ``do_sample``,
+``top_p``, ``top_k``, ``temperature``, ``ignore_eos``, ``min_new_tokens``, ``stop``; see
+mii/config.py ``GenerateParamsConfig``, whose defaults are do_sample=True and top_p=0.9, so both are
+always sent), answered by a list of ``{generated_text, prompt_length, generated_length,
+finish_reason}`` (mii/batching/data_classes.py). No streaming: the answer is one chunk. Any failure
+is Flask's 500. ``GET /healthz`` answers "ok". MII's OpenAI server is reached with the ``openai`` kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from backends.base import (
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    UnavailableError,
+    UpstreamError,
+    Usage,
+)
+from backends.http import TextServerConfig, json_body, raise_for_status
+from backends.text_server import TextServerBackend
+
+
+class MIIConfig(TextServerConfig):
+    upstream_model: str  # the MII deployment's name
+
+
+class MIIRestBackend(TextServerBackend):
+    kind = "mii"
+    health_path = "/healthz"
+
+    def __init__(self, model_name: str, cfg: MIIConfig) -> None:
+        super().__init__(model_name, cfg)
+        self.path = f"/mii/{cfg.upstream_model}"
+
+    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
+        raise_for_status(r.status, r.content, {404: UnavailableError}, "message")
+        try:
+            reply = json_body(r.content)[0]
+            yield GenerationChunk(text=reply["generated_text"], finish_reason=_mii_finish(reply["finish_reason"]),
+                                  usage=Usage(reply["prompt_length"], reply["generated_length"]))
+        except (KeyError, IndexError, TypeError) as exc:
+            raise UpstreamError(f"malformed reply from MII: {r.text[:200]!r}") from exc
+
+
+def mii_parameters(p: SamplingParams) -> dict[str, Any]:
+    """Our sampling settings in MII's ``generate`` keywords; what MII cannot do is refused."""
+    for name, used in {"min_p": p.min_p != 0.0, "seed": p.seed is not None, "logprobs": p.logprobs is not None,
+                       "stop_token_ids": bool(p.stop_token_ids), "repetition_penalty": p.repetition_penalty != 1.0,
+                       "presence_penalty": p.presence_penalty != 0.0,
+                       "frequency_penalty": p.frequency_penalty != 0.0}.items():
+        if used:
+            raise InvalidRequestError(f"{name} is not supported by DeepSpeed-MII backends", param=name)
+    out: dict[str, Any] = {"do_sample": not p.greedy, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
+                           "min_new_tokens": p.min_tokens, "stop": p.stop}
+    if p.max_tokens is not None:
+        out["max_new_tokens"] = p.max_tokens
+    if not p.greedy:
+        out["temperature"] = p.temperature
+        if p.top_k > 0:
+            out["top_k"] = p.top_k
+    return out
+
+
+def _mii_finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"

@@ -1,0 +1,99 @@
+"""The base of adapters for servers with their own text-in/text-out API (TGI, LightLLM, MII)."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from backends.base import (
+    Backend,
+    BackendInfo,
+    GenerationChunk,
+    GenerationRequest,
+    InvalidRequestError,
+    UpstreamError,
+    Usage,
+)
+from backends.http import HTTPClient, TextServerConfig, transport_errors
+from backends.openai_http import OpenAIHTTPBackend
+from backends.stop_strings import StopStringFilter
+from backends.tokenizer import Tokenizer
+
+
+class TextServerBackend(Backend):
+    """Base of adapters for servers that take a text prompt and return text (TGI, LightLLM, MII).
+
+    It owns what they have in common: chat (the server's OpenAI route, or a local chat template),
+    stop strings with vLLM's semantics (servers keep the stop string in their output; we cut it and
+    never stream it), and usage on the last chunk. Subclasses speak the wire format in ``_generate``.
+    """
+
+    kind = "text-server"
+    openai_chat_path: str | None = None  # where the server's OpenAI routes live, if it has them ("/v1")
+    health_path = "/health"
+
+    def __init__(self, model_name: str, cfg: TextServerConfig) -> None:
+        self.name = f"{self.kind}:{cfg.url}"
+        self.base_url = cfg.url.rstrip("/")
+        self.upstream_model = cfg.upstream_model or model_name
+        self._http = HTTPClient(self.base_url, cfg, self.name)
+        self._chat_server = None
+        self._template_path = cfg.tokenizer if cfg.chat == "template" else None
+        self._tokenizer = None
+        if cfg.chat == "server" and self.openai_chat_path is not None:
+            self._chat_server = OpenAIHTTPBackend(model_name, cfg, url=self.base_url + self.openai_chat_path)
+
+    async def close(self) -> None:
+        await self._http.close()
+        if self._chat_server is not None:
+            await self._chat_server.close()
+
+    async def health(self) -> bool:
+        return await self._http.ok(self.health_path)
+
+    async def info(self) -> BackendInfo:
+        return BackendInfo(model_ids=[self.upstream_model])
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if request.messages is not None and self._chat_server is not None:
+            async with contextlib.aclosing(self._chat_server.stream(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        prompt = self._prompt_text(request)
+        stops = StopStringFilter(request.params.stop)
+        generated = 0
+        async with transport_errors(self.name), contextlib.aclosing(self._generate(prompt, request)) as chunks:
+            async for chunk in chunks:
+                generated += max(len(chunk.token_ids), 1 if chunk.text else 0)
+                text, hit = stops.push(chunk.text)
+                if chunk.finish_reason is None:
+                    if text or chunk.logprobs:
+                        yield GenerationChunk(text=text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+                    continue
+                # The server stops on the same stop string (it was sent), so its last event comes next.
+                reason = "stop" if stops.stopped else chunk.finish_reason
+                usage = chunk.usage or Usage(0, generated)
+                yield GenerationChunk(text=text + stops.flush(), token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+                                      finish_reason=reason, usage=usage)
+                return
+        raise UpstreamError(f"{self.name}: the stream ended without a finish reason")
+
+    def _prompt_text(self, request: GenerationRequest) -> str:
+        if request.messages is not None:
+            if self._template_path is None:
+                raise InvalidRequestError(
+                    f"{self.name} serves chat only with `chat: template` and a local tokenizer", param="messages")
+            if self._tokenizer is None:
+                self._tokenizer = Tokenizer(Path(self._template_path))
+            return self._tokenizer.render_chat(request.messages)
+        if not isinstance(request.prompt, str):
+            raise InvalidRequestError(f"{self.name} takes text prompts, not token ids", param="prompt")
+        return request.prompt
+
+    @abc.abstractmethod
+    def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Raw chunks from the server: text deltas (stop strings not yet cut), then one chunk with
+        ``finish_reason`` and, when the server reports them, token counts in ``usage``."""

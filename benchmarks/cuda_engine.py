@@ -1,0 +1,200 @@
+"""The native engine on a CUDA GPU, against the memory roofline and against transformers, in one run.
+
+1. The device's copy bandwidth (a device-to-device copy, bytes read + written), the roofline below.
+2. Decode at batch 1 of the design's 12.3B GQA model (configs/llama-12.3b-gqa.json, random weights,
+   bf16; ``--layers`` shrinks it in depth to fit): step time with and without CUDA graphs, the bytes a
+   step must read (every weight but the embedding table, plus the KV cache), achieved bandwidth as a
+   share of the measured copy bandwidth, and time per layer.
+3. SmolLM2 bf16, a burst of ``--requests`` (default 256) random-token prompts of ``--input-len`` (512)
+   tokens, ``--output-len`` (128) tokens each (ignore_eos): output tok/s of the engine (its offline
+   ``generate``: scheduler, sampler and detokenizer included) against transformers' ``generate`` on the
+   same prompts as one static batch (its best), both after a warm-up; and the engine's decode step
+   time at batch 1 / 64 / 256 with and without CUDA graphs.
+
+    python benchmarks/cuda_engine.py --out benchmarks/results/cuda_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from backends.base import SamplingParams  # noqa: E402
+from backends.native.batch import Batch  # noqa: E402
+from backends.native.config import EngineConfig  # noqa: E402
+from backends.native.engine import LLMEngine  # noqa: E402
+from backends.native.weights import default_model_path  # noqa: E402
+
+
+def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = cuda_time(lambda: dst.copy_(src), repeats=10)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def decode_batch(engine: LLMEngine, contexts: list[int]) -> Batch:
+    """A decode step for sequences with ``contexts`` tokens in fresh blocks (their keys: whatever the cache
+    holds; a step's time does not depend on the values)."""
+    bs, start, tables, slots = engine.blocks.block_size, 0, [], []
+    for ctx in contexts:
+        need = -(-ctx // bs)
+        tables.append(list(range(start, start + need)))
+        start += need
+        slots.append(tables[-1][(ctx - 1) // bs] * bs + (ctx - 1) % bs)
+    return Batch([7] * len(contexts), [c - 1 for c in contexts], slots, [1] * len(contexts), list(contexts),
+                 tables, [True] * len(contexts))
+
+
+def step_times(engine: LLMEngine, batch: Batch) -> dict[str, float]:
+    """Decode step seconds with the engine's CUDA graphs and eagerly."""
+    runner = engine.runner
+    out = {"graphs_s": cuda_time(lambda: runner.execute(batch))}
+    graphs, runner.graphs = runner.graphs, None
+    out["eager_s"] = cuda_time(lambda: runner.execute(batch))
+    runner.graphs = graphs
+    return out
+
+
+def design_model_decode(layers: int | None, context: int, bandwidth: float, tokenizer: str | None) -> dict:
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    engine = LLMEngine(EngineConfig(model_path=str(ROOT / "configs/llama-12.3b-gqa.json"), load_format="dummy",
+                                    hf_overrides=overrides, tokenizer=tokenizer, dtype="bfloat16", device="cuda", max_model_len=4096,
+                                    max_num_seqs=8, kv_cache_gb=2.0, enable_prefix_caching=False))
+    cfg = engine.model_config
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters(remove_duplicate=False)
+                       if n != "embed_tokens.weight") + cfg.hidden_size * 2  # one embedding row is read
+    kv_bytes = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
+    times = step_times(engine, decode_batch(engine, [context]))
+    step = times["graphs_s"]
+    result = {"layers": cfg.num_layers, "parameters": cfg.num_parameters(), "context": context,
+              "bytes_per_step": weight_bytes + kv_bytes, **times, "per_layer_ms": step / cfg.num_layers * 1e3,
+              "achieved_bytes_per_s": (weight_bytes + kv_bytes) / step,
+              "roofline_fraction": (weight_bytes + kv_bytes) / step / bandwidth,
+              "tokens_per_s": 1 / step}
+    del engine, model
+    torch.cuda.empty_cache()
+    return result
+
+
+def burst_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
+
+
+def engine_burst(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def hf_burst(model, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert out.shape == (len(prompts), ids.shape[1] + output_len)
+    return len(prompts) * output_len / elapsed
+
+
+def smollm2(requests: int, input_len: int, output_len: int, seed: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    result: dict = {}
+    for graphs in (True, False):
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=input_len + output_len + 16,
+                                        max_num_seqs=requests, max_num_batched_tokens=8192,
+                                        enforce_eager=not graphs, enable_prefix_caching=False))
+        engine_burst(engine, burst_prompts(16, input_len, seed + 100), 8)  # warm-up: compile the prefill shapes
+        name = "engine" if graphs else "engine_eager"
+        result[f"{name}_tok_s"] = engine_burst(engine, burst_prompts(requests, input_len, seed), output_len)
+        if graphs:
+            result["decode_step"] = {n: step_times(engine, decode_batch(engine, [input_len + output_len // 2] * n))
+                                     for n in (1, 64, min(256, requests))}
+        del engine
+        torch.cuda.empty_cache()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.bfloat16).cuda().eval()
+    hf_burst(model, burst_prompts(16, input_len, seed + 100), 8)  # warm-up
+    result["transformers_tok_s"] = hf_burst(model, burst_prompts(requests, input_len, seed + 1), output_len)
+    result["engine_vs_transformers"] = result["engine_tok_s"] / result["transformers_tok_s"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=None, help="12.3B model depth (default: all 40)")
+    parser.add_argument("--context", type=int, default=512, help="tokens in the KV cache at the measured decode")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="for the 12.3B model (default: the embedded SmolLM2's)")
+    parser.add_argument("--skip", choices=["design", "smollm2"], action="append", default=[])
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+
+    results: dict = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+                     "torch": torch.__version__, "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    results["copy_bytes_per_s"] = bandwidth = copy_bandwidth()
+    print(f"{results['device']}: device-to-device copy {bandwidth / 1e12:.2f} TB/s (read + write)")
+    if "design" not in args.skip:
+        d = results["design_12b"] = design_model_decode(args.layers, args.context, bandwidth, args.tokenizer)
+        print(f"12.3B GQA ({d['layers']} layers, {d['parameters'] / 1e9:.2f}B params) batch-1 decode at context "
+              f"{d['context']}: {d['graphs_s'] * 1e3:.2f} ms/step with graphs ({d['eager_s'] * 1e3:.2f} eager), "
+              f"{d['per_layer_ms']:.3f} ms/layer, {d['achieved_bytes_per_s'] / 1e12:.2f} TB/s = "
+              f"{d['roofline_fraction']:.0%} of copy bandwidth, {d['tokens_per_s']:.1f} tok/s")
+    if "smollm2" not in args.skip:
+        s = results["smollm2_burst"] = smollm2(args.requests, args.input_len, args.output_len, args.seed)
+        print(f"SmolLM2 bf16 burst {args.requests} x ({args.input_len} in, {args.output_len} out): engine "
+              f"{s['engine_tok_s']:.0f} tok/s (eager {s['engine_eager_tok_s']:.0f}), transformers generate "
+              f"{s['transformers_tok_s']:.0f} tok/s -> {s['engine_vs_transformers']:.1f}x")
+        for n, t in s["decode_step"].items():
+            print(f"  decode step at batch {n}: {t['graphs_s'] * 1e3:.2f} ms with CUDA graphs, "
+                  f"{t['eager_s'] * 1e3:.2f} ms eager ({t['eager_s'] / t['graphs_s']:.1f}x)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
