@@ -1,4 +1,5 @@
-"""Reading deploy/: YAML documents, the Kubernetes objects in them, their pods and containers."""
+"""Reading deploy/: YAML documents, the Kubernetes objects of deploy/k8s and of the Helm chart rendered
+with several values, their pods and containers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+CHART = DEPLOY / "helm" / "burstgate"
 KUBERNETES_VERSION = "1.30"  # the oldest minor the manifests must be valid for
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 
@@ -26,11 +28,60 @@ def k8s_objects() -> list[dict]:
     return [d for resource in kustomization["resources"] for d in documents(K8S / resource)]
 
 
+def helm_objects(values: dict | None = None, release: str = "demo") -> list[dict]:
+    """The chart rendered offline by Helm's own engine (helm-python-sdk binds Helm v4's Go SDK)."""
+    import helm_python
+
+    with helm_python.Chart.load(str(CHART)) as chart:
+        rendered = chart.render(values or {}, name=release, namespace="burstgate")
+    return [d for name, text in sorted(rendered.items()) if name.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+
+
+def helm_available() -> bool:
+    try:
+        import helm_python  # noqa: F401
+    except (ImportError, OSError):  # no wheel for this platform, or its library does not load
+        return False
+    return True
+
+
+# The manifest sets every Kubernetes check runs over: deploy/k8s, and the chart with its toggles.
+HELM_VALUES = {
+    "helm-default": {},
+    "helm-gpu": {"vllm": {"enabled": True}, "tgi": {"enabled": True}, "apiKeys": {"existingSecret": "burstgate-keys"}},
+    "helm-fixed-replicas": {"gateway": {"autoscaling": {"enabled": False}}, "redis": {"enabled": False},
+                            "apiKeys": {"keys": [{"name": "team-a", "key": "k-1"}]}},
+}
+
+
+def manifest_sets() -> dict[str, object]:
+    """Name -> a function returning that set's objects."""
+    sets = {"k8s": k8s_objects}
+    sets.update({name: (lambda v=values: helm_objects(v)) for name, values in HELM_VALUES.items()})
+    return sets
+
+
 def pods(objects: Iterable[dict]) -> Iterator[tuple[str, dict]]:
     """(workload name, pod spec) for every workload."""
     for o in objects:
         if o["kind"] in WORKLOADS:
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+
+
+def gateway_pod(objects: Iterable[dict]) -> dict:
+    """The pod spec whose container is the gateway."""
+    return next(pod for _, pod in pods(objects) if pod["containers"][0]["name"] == "gateway")
+
+
+def gateway_config(objects: Iterable[dict]) -> dict:
+    """The gateway.yaml the gateway pods mount, as a mapping."""
+    volumes = {v["name"]: v for v in gateway_pod(objects)["volumes"]}
+    name = volumes["config"]["configMap"]["name"]
+    maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    if name in maps:
+        return yaml.safe_load(maps[name]["data"]["gateway.yaml"])
+    return yaml.safe_load((K8S / "gateway-config.yaml").read_text())  # kustomize generates it from this file
 
 
 def containers(objects: Iterable[dict]) -> Iterator[tuple[str, dict]]:

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from backends.native import cpu_kernels
-from tests.deploy.files import DEPLOY, ROOT, documents, k8s_objects, pods
+from tests.deploy.files import DEPLOY, ROOT, documents, gateway_pod, k8s_objects
 from tests.servers import free_port
 
 
@@ -84,7 +84,7 @@ def test_the_runtime_has_no_compiler_and_runs_as_the_numeric_user_the_pods_name(
     user = [c.value[0] for c in image if c.cmd == "USER"]
     assert len(user) == 1 and re.fullmatch(r"\d+:\d+", user[0])
     uid, gid = map(int, user[0].split(":"))
-    gateway = next(pod for name, pod in pods(k8s_objects()) if name == "burstgate")
+    gateway = gateway_pod(k8s_objects())
     assert (gateway["securityContext"]["runAsUser"], gateway["securityContext"]["runAsGroup"]) == (uid, gid)
 
 
