@@ -5,6 +5,7 @@ compiler, no load-tester extra and a numeric user; and that runtime environment 
 from __future__ import annotations
 
 import importlib.util
+import platform
 import re
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def tiny_model_config(tmp_path, smollm2_tokenizer) -> Path:
     return config
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the image is Linux")
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="the image is Linux x86-64")
 def test_the_runtime_environment_serves_with_prebuilt_kernels_and_without_the_loadtest_extra(tmp_path,
                                                                                               tiny_model_config):
     """The image's ENV, CMD and kernel build, run here: no compiler on PATH, caches in a temporary
