@@ -143,10 +143,13 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready", tags=["operations"])
-    async def ready():
-        """Readiness: every served model has at least one healthy deployment."""
-        state = {name: group.ready for name, group in gateway.groups.items()}
-        ok = bool(state) and all(state.values())
+    async def ready(model: str | None = None):
+        """Readiness: this gateway can serve at least one model (a healthy deployment, or a fallback
+        with one), so one model's outage never pulls the pod out of its Service. ``?model=NAME`` asks
+        about that model alone: 503 when it cannot be served, 404 when it is not configured."""
+        groups = [gateway.group(model)] if model is not None else list(gateway.groups.values())
+        state = {g.name: gateway.can_serve(g) for g in groups}
+        ok = any(state.values())
         return JSONResponse({"ready": ok, "models": state}, status_code=200 if ok else 503)
 
     @app.get("/metrics", tags=["operations"])

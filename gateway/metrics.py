@@ -53,6 +53,23 @@ class GatewayMetrics:
         self.registry.register(_EngineCollector(engines))
 
 
+    def watch_models(self, models: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        """Export each model's readiness (as ``/ready?model=`` answers it); ``models`` yields (model, ready)."""
+        self.registry.register(_ModelCollector(models))
+
+
+class _ModelCollector(Collector):
+    def __init__(self, models: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        self.models = models
+
+    def collect(self):
+        ready = GaugeMetricFamily("burstgate:model_ready", "1 when a deployment of the model, or of one of its "
+                                  "fallbacks, passed its last health check.", labels=["model"])
+        for model, ok in self.models():
+            ready.add_metric([model], 1.0 if ok else 0.0)
+        yield ready
+
+
 class _EngineCollector(Collector):
     def __init__(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         self.engines = engines

@@ -56,6 +56,7 @@ class Gateway:
         self.health = HealthChecker(groups, self.router.health_interval_s, self.router.health_timeout_s,
                                     on_change=self._export_health)
         self.metrics.watch_engines(self._engine_stats)
+        self.metrics.watch_models(lambda: ((name, self.can_serve(g)) for name, g in self.groups.items()))
         for d in self.health.deployments:
             d.breaker.on_change = self._breaker_exporter(d)
 
@@ -122,6 +123,10 @@ class Gateway:
         except GatewayError:
             self.metrics.rate_limited.labels(caller.name).inc()
             raise
+
+    def can_serve(self, group: ModelGroup) -> bool:
+        """A deployment of ``group``, or of one of its fallbacks, passed its last health check."""
+        return group.ready or any(self.groups[name].ready for name in group.fallbacks)
 
     def group(self, model: str) -> ModelGroup:
         group = self.groups.get(model)

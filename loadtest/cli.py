@@ -12,8 +12,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest import report, store
+from loadtest import report, store, sysmon
 from loadtest.client import RequestOptions, Target
+from loadtest.extras import MissingExtraError, require
 from loadtest.runner import RunConfig, TargetResult, result_to_json, run_target
 from loadtest.schedule import Schedule
 from loadtest.workload import RequestSpec, from_file, load_tokenizer, synthetic
@@ -98,6 +99,13 @@ def run(
     plots: Annotated[bool, typer.Option(help="Write PNG plots.")] = True,
 ) -> None:
     """Run the same workload against every target, one after another, and compare them."""
+    try:  # before the run, not after it
+        require("psutil", sysmon.SAMPLING)
+        if plots:
+            require("matplotlib", report.PLOTTING)
+    except MissingExtraError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, soft_wrap=True)  # [loadtest] is no markup
+        raise typer.Exit(2) from None
     targets = [Target(url, m, api_key) for m in model] if url else []
     if model and not url:
         raise typer.BadParameter("--model needs --url", param_hint="--model")

@@ -9,7 +9,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.extras import require
 from loadtest.runner import TargetResult, result_to_json
+
+PLOTTING = "plotting (--plots)"
 
 CSV_FIELDS = ["label", "url", "model", "completed", "failed", "duration", "request_throughput", "output_throughput",
               "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -65,9 +68,7 @@ def write_files(out: Path, results: list[TargetResult]) -> None:
 def plot(out: Path, labels: list[str], per_target_records: list[list[dict]], summaries: list[dict],
          samples: list[list[dict]]) -> list[Path]:
     """Latency CDFs, box plots, throughput bars, sweep curve and resource use over time (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", PLOTTING).use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 

@@ -4,12 +4,16 @@ and the target's Prometheus /metrics before and after."""
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
-import psutil
+
+from loadtest.extras import require
+
+SAMPLING = "sampling the server's CPU and memory"
 
 
 @dataclass
@@ -23,7 +27,7 @@ class Sample:
 
 def hardware() -> dict:
     """What the numbers were measured on: GPU names via NVML when present, else the CPU model."""
-    info = {"cpu": _cpu_model(), "cpu_count": psutil.cpu_count(), "gpus": []}
+    info = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "gpus": []}
     nvml = _nvml()
     if nvml is not None:
         info["gpus"] = [nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
@@ -52,8 +56,9 @@ def _nvml():
         return None
 
 
-def find_server_process(pid: int | None = None, port: int | None = None) -> psutil.Process | None:
-    """The process listening on ``port`` (or with ``pid``), if it runs on this machine."""
+def find_server_process(pid: int | None = None, port: int | None = None):
+    """The ``psutil.Process`` listening on ``port`` (or with ``pid``), if it runs on this machine."""
+    psutil = require("psutil", SAMPLING)
     if pid is not None:
         return psutil.Process(pid)
     if port is not None:
@@ -66,8 +71,9 @@ def find_server_process(pid: int | None = None, port: int | None = None) -> psut
 class Sampler:
     """Samples every ``interval_s`` in the background until stopped."""
 
-    def __init__(self, process: psutil.Process | None, interval_s: float = 0.5) -> None:
+    def __init__(self, process, interval_s: float = 0.5) -> None:  # a psutil.Process, or None
         self.process, self.interval_s = process, interval_s
+        self._psutil = require("psutil", SAMPLING) if process is not None else None
         self.samples: list[Sample] = []
         self._nvml = _nvml()
         self._task: asyncio.Task | None = None
@@ -96,7 +102,7 @@ class Sampler:
             try:
                 s.cpu_percent = self._cpu_percent()
                 s.rss_bytes = sum(p.memory_info().rss for p in self._tree())
-            except psutil.Error:
+            except self._psutil.Error:
                 self.process = None
         if self._nvml is not None:
             n = self._nvml
@@ -106,7 +112,7 @@ class Sampler:
                 s.gpu_util_percent.append(int(n.nvmlDeviceGetUtilizationRates(h).gpu))
         return s
 
-    def _tree(self) -> list[psutil.Process]:
+    def _tree(self) -> list:
         return [self.process, *self.process.children(recursive=True)]
 
     def _cpu_percent(self) -> float:

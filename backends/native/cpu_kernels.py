@@ -1,10 +1,13 @@
-"""The C kernels of csrc/ for CPUs: built once per machine on first use, loaded with ctypes.
+"""The C kernels of csrc/ for CPUs: built once per machine on first use, or prebuilt; loaded with ctypes.
 
 Every ``csrc/*.c`` is compiled with the system C compiler (``-march=native``, OpenMP) into one shared
 library in a cache directory, keyed by the sources, the compiler, its flags and the CPU's features.
-torch's own libgomp is already in the process, so the kernels share torch's OpenMP threads. Without a
-compiler (or when the build fails) ``load()`` returns None after one log line and the engine keeps its
-pure-torch paths. The Python faces of the kernels are cpu_attention.py and layer_ops.py.
+Where nothing can be built (no compiler, as in the container image, or a cache that is not writable)
+``load()`` takes a library prebuilt for a portable x86-64 level from ``$BURSTGATE_KERNELS_DIR``: the
+highest level this CPU runs (``python -m backends.native.cpu_kernels --build DIR`` makes them).
+torch's own libgomp is already in the process, so the kernels share torch's OpenMP threads. With
+neither, ``load()`` returns None and the engine keeps its pure-torch paths. Which one runs is logged
+once. The Python faces of the kernels are cpu_attention.py and layer_ops.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import typer
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,11 @@ CSRC = Path(__file__).with_name("csrc")
 # only: linking with -ffast-math adds crtfastmath.o, which turns on flush-to-zero for the whole process.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]
+# x86-64 micro-architecture levels (the psABI's) and the /proc/cpuinfo flags each one needs; "abm" is LZCNT.
+_V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+LEVELS = {"x86-64-v2": _V2, "x86-64-v3": _V3, "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                                                  "avx512vl"}}
 DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}  # the storage types the kernels read: their `is_bf16` flag
 
 i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -59,27 +68,59 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def _cpu_signature() -> str:
     """-march=native code is only valid on CPUs with the same features: key the cache on them."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags}"
+    return f"{platform.machine()} {platform.processor()} {' '.join(sorted(_cpu_flags()))}"
 
 
 def _sources() -> list[Path]:
     return sorted(CSRC.glob("*.c"))
 
 
-def _build(cc: str, target: Path) -> None:
+def _key(*extra: str) -> str:
+    parts = [p.read_bytes() for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
+    return hashlib.sha256(b"\0".join(parts + [s.encode() for s in extra])).hexdigest()[:16]
+
+
+def _flags(march: str) -> list[str]:
+    return [f"-march={march}" if f == "-march=native" else f for f in CFLAGS]
+
+
+def prebuilt_name(march: str) -> str:
+    """The file a portable build for ``march`` has: keyed by the sources and flags, not the compiler."""
+    return f"kernels-{_key(' '.join(_flags(march) + LDFLAGS))}-{march}.so"
+
+
+def build_portable(directory: Path, marches: list[str]) -> list[Path]:
+    """Build one library per x86-64 level into ``directory`` (for images whose runtime has no compiler)."""
+    unknown = [m for m in marches if m not in LEVELS]
+    if unknown:
+        raise ValueError(f"unknown x86-64 levels {unknown}; choose from {list(LEVELS)}")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    targets = [directory / prebuilt_name(m) for m in marches]
+    for march, target in zip(marches, targets):
+        _build(cc, target, _flags(march))
+    return targets
+
+
+def _build(cc: str, target: Path, cflags: list[str] = CFLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = []
         for source in _sources():
             objects.append(obj := Path(tmp) / f"{source.stem}.o")
-            subprocess.run([cc, *CFLAGS, "-c", str(source), "-o", str(obj)], check=True, capture_output=True,
+            subprocess.run([cc, *cflags, "-c", str(source), "-o", str(obj)], check=True, capture_output=True,
                            text=True, timeout=120)
         built = Path(tmp) / target.name
         subprocess.run([cc, *LDFLAGS, *map(str, objects), "-o", str(built), "-lm"], check=True,
@@ -89,30 +130,58 @@ def _build(cc: str, target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None (no compiler, or the build failed) after one log line."""
+    """The kernel library (a native build, else a prebuilt portable one), or None; the choice is logged."""
     if platform.system() != "Linux":
         log.info("CPU kernels: only built on Linux; using the pure-torch paths")
         return None
-    cc = _compiler()
-    if cc is None:
-        log.warning("CPU kernels: no C compiler found; using the slower pure-torch paths")
-        return None
-    parts = [p.read_bytes() for p in sorted(CSRC.iterdir()) if p.suffix in (".c", ".h")]
-    parts += [s.encode() for s in (cc, " ".join(CFLAGS + LDFLAGS), _cpu_signature())]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"kernels-{key}.so"
-    try:
-        if not target.exists():
-            _build(cc, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("CPU kernels: build failed (%s); using the pure-torch paths", detail)
+    lib, native_problem = _native()
+    if lib is None:
+        lib = _prebuilt(native_problem)
+    if lib is None:
         return None
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, i32
     return lib
+
+
+def _native() -> tuple[ctypes.CDLL | None, str]:
+    """A -march=native build from the cache, built there first when missing; or None and why not."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found"
+    target = cache_dir() / f"kernels-{_key(cc, ' '.join(CFLAGS + LDFLAGS), _cpu_signature())}.so"
+    try:
+        if not target.exists():
+            _build(cc, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"build failed in {target.parent} ({getattr(e, 'stderr', '') or e})"
+    log.info("CPU kernels: built for this CPU (-march=native): %s", target)
+    return lib, ""
+
+
+def _prebuilt(native_problem: str) -> ctypes.CDLL | None:
+    """The prebuilt library of the highest x86-64 level this CPU supports, from $BURSTGATE_KERNELS_DIR."""
+    directory = os.environ.get("BURSTGATE_KERNELS_DIR")
+    levels = [m for m, needs in LEVELS.items() if needs <= _cpu_flags()] if platform.machine() == "x86_64" else []
+    if not directory:
+        where = "BURSTGATE_KERNELS_DIR is not set"
+    else:
+        for march in reversed(levels):
+            path = Path(directory) / prebuilt_name(march)
+            if path.is_file():
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError as e:
+                    log.warning("CPU kernels: cannot load %s (%s)", path, e)
+                    continue
+                log.info("CPU kernels: prebuilt for %s (%s): %s", march, native_problem, path)
+                return lib
+        where = f"none for this CPU's levels ({', '.join(levels) or 'none'}) in {directory}"
+    log.warning("CPU kernels: NOT AVAILABLE, using the slower pure-torch paths: %s; prebuilt: %s",
+                native_problem, where)
+    return None
 
 
 def library() -> ctypes.CDLL:
@@ -121,3 +190,16 @@ def library() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("the CPU kernels are not available on this machine")
     return lib
+
+
+def main(
+    build: Path = typer.Option(..., help="Directory to write the prebuilt libraries into."),
+    march: list[str] = typer.Option(list(LEVELS), help="x86-64 levels to build (repeatable)."),
+) -> None:
+    """Prebuild the kernels for portable x86-64 levels (container images: their runtime has no compiler)."""
+    for path in build_portable(build, march):
+        print(path)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,10 +1,14 @@
-"""The C kernels are built once per machine into a cache directory; without a compiler, or when the
-build fails, the engine keeps its pure-torch paths; loading them leaves the process's floating-point
-mode alone."""
+"""The C kernels are built once per machine into a cache directory; where nothing can be built (no
+compiler, or a cache that is not writable) a library prebuilt for a portable x86-64 level is loaded;
+with neither the engine keeps its pure-torch paths, and says so; loading them leaves the process's
+floating-point mode alone."""
 
 from __future__ import annotations
 
 import logging
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +17,9 @@ from backends.native import cpu_kernels
 from backends.native.attention import choose_kernels
 from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
-from backends.native.layer_ops import TorchLayerOps
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
+
+x86_64 = pytest.mark.skipif(platform.machine() != "x86_64", reason="portable builds are for x86-64 levels")
 
 
 @pytest.fixture
@@ -25,11 +31,24 @@ def fresh_cache(monkeypatch, tmp_path):
     cpu_kernels.load.cache_clear()
 
 
-def test_without_a_compiler_the_engine_keeps_the_torch_paths(monkeypatch, fresh_cache, caplog):
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """Libraries for x86-64-v2 and -v4, built by the command the Dockerfile runs."""
+    directory = tmp_path_factory.mktemp("prebuilt")
+    out = subprocess.run([sys.executable, "-m", "backends.native.cpu_kernels", "--build", str(directory),
+                          "--march", "x86-64-v2", "--march", "x86-64-v4"], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(directory / cpu_kernels.prebuilt_name(m)) for m in ("x86-64-v2", "x86-64-v4")]
+    return directory
+
+
+def test_without_a_compiler_or_prebuilt_kernels_the_engine_keeps_the_torch_paths_and_says_why(
+        monkeypatch, fresh_cache, caplog):
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.delenv("BURSTGATE_KERNELS_DIR", raising=False)
     with caplog.at_level(logging.WARNING):
         assert cpu_kernels.load() is None
-    assert "no C compiler" in caplog.text
+    assert "NOT AVAILABLE" in caplog.text and "no C compiler" in caplog.text
+    assert "BURSTGATE_KERNELS_DIR is not set" in caplog.text
     cfg = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=64)
     kernels = choose_kernels("auto", cfg, torch.float32, torch.device("cpu"), 16, 8)
@@ -62,3 +81,44 @@ def test_loading_the_kernels_leaves_the_process_floating_point_mode_alone():
     assert cpu_kernels.load() is not None
     assert 5e-324 * 1.0 > 0.0  # subnormals survive
     assert torch.tensor(1e-40, dtype=torch.float32).mul(1.0).item() > 0.0
+
+
+@x86_64
+def test_without_a_compiler_the_highest_prebuilt_level_this_cpu_runs_is_loaded(monkeypatch, fresh_cache, prebuilt,
+                                                                                 caplog):
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: cpu_kernels.LEVELS["x86-64-v3"])  # no AVX-512
+    monkeypatch.setenv("BURSTGATE_KERNELS_DIR", str(prebuilt))
+    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
+        lib = cpu_kernels.load()
+    assert lib is not None and lib._name == str(prebuilt / cpu_kernels.prebuilt_name("x86-64-v2"))
+    assert "prebuilt for x86-64-v2 (no C compiler found)" in caplog.text
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(CpuLayerOps.silu_and_mul(x), TorchLayerOps.silu_and_mul(x))  # it computes
+
+
+@x86_64
+def test_an_unwritable_cache_falls_back_to_the_prebuilt_library(monkeypatch, fresh_cache, prebuilt, caplog):
+    blocker = fresh_cache / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("BURSTGATE_CACHE_DIR", str(blocker / "cache"))  # cannot be created: as a read-only root
+    monkeypatch.setenv("BURSTGATE_KERNELS_DIR", str(prebuilt))
+    with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load() is not None
+    assert "prebuilt for x86-64-" in caplog.text and "build failed" in caplog.text
+
+
+@x86_64
+def test_prebuilt_kernels_for_levels_this_cpu_lacks_are_never_loaded(monkeypatch, fresh_cache, prebuilt, caplog):
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: {"sse2"})  # below x86-64-v2
+    monkeypatch.setenv("BURSTGATE_KERNELS_DIR", str(prebuilt))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernels.load() is None
+    assert f"none for this CPU's levels (none) in {prebuilt}" in caplog.text
+
+
+def test_an_unknown_level_is_refused_before_anything_is_built(tmp_path):
+    with pytest.raises(ValueError, match="x86-64-v9"):
+        cpu_kernels.build_portable(tmp_path, ["x86-64-v2", "x86-64-v9"])
+    assert not list(tmp_path.iterdir())
