@@ -18,7 +18,7 @@ from backends.base import (
 )
 from backends.http import HTTPClient, TextServerConfig, transport_errors
 from backends.openai_http import OpenAIHTTPBackend
-from backends.stop_strings import StopStringFilter
+from backends.stopping import StopStringFilter
 from backends.tokenizer import Tokenizer
 
 

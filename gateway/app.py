@@ -12,12 +12,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.base import GenerationRequest, InvalidRequestError
+from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError
 from gateway import errors
 from gateway.config import hash_key
 from gateway.errors import GatewayError, sse_error_event
 from gateway.limits import KeyLimits
-from gateway.openai_format import DONE, Folded, ResponseWriter
+from gateway.openai_format import DONE, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.service import ANONYMOUS, Caller, Gateway
 
@@ -169,10 +169,10 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
 
 
 async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
-    folded = Folded()
+    folded = GenerationChunk()
     async with contextlib.aclosing(stream) as chunks:
         async for chunk in chunks:
-            folded.add(chunk)
+            folded.extend(chunk)
     return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
 
 

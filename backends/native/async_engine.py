@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from backends.base import SamplingParams, UpstreamError
+from backends.base import GenerationChunk, SamplingParams, UpstreamError
 from backends.native.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,9 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they are produced; raises ``InvalidRequestError`` up front."""
+                       ) -> AsyncIterator[GenerationChunk]:
+        """Chunks of one request as they are produced; raises ``InvalidRequestError`` up front (the one
+        validation a request gets)."""
         if self.dead is not None:
             raise UpstreamError(f"native engine stopped: {self.dead}")
         self.engine.check_request(prompt_ids, params)
@@ -109,11 +110,11 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationChunk]]] = {}
+        for request_id, chunk in outputs:
+            stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream.queue, chunk))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
@@ -128,7 +129,7 @@ class AsyncEngine:
             self._send(request_id, exc)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
