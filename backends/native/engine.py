@@ -14,7 +14,7 @@ import torch
 
 from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
 from backends.native.config import EngineConfig
-from backends.native.kv_cache import BlockManager
+from backends.native.block_manager import BlockManager
 from backends.native.model_runner import ModelRunner
 from backends.native.sampler import sample, token_logprobs
 from backends.native.scheduler import Scheduler, Update

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from backends.base import SamplingParams
 from backends.native.config import EngineConfig
-from backends.native.kv_cache import BlockManager
+from backends.native.block_manager import BlockManager
 from backends.native.sampler import Sampled
 from backends.native.scheduler import Scheduler
 from backends.native.sequence import Sequence, Status
