@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
-from backends.native.config import EngineConfig
 from backends.native.block_manager import BlockManager
+from backends.native.config import EngineConfig
 from backends.native.model_runner import ModelRunner
 from backends.native.sampler import sample, token_logprobs
 from backends.native.scheduler import Scheduler, Update

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from backends.base import FinishReason
 from backends.native.batch import Batch
-from backends.native.config import EngineConfig
 from backends.native.block_manager import BlockManager
+from backends.native.config import EngineConfig
 from backends.native.sampler import Sampled
 from backends.native.sequence import Sequence, Status
 

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.base import SamplingParams
-from backends.native.config import EngineConfig
 from backends.native.block_manager import BlockManager
+from backends.native.config import EngineConfig
 from backends.native.sampler import Sampled
 from backends.native.scheduler import Scheduler
 from backends.native.sequence import Sequence, Status
