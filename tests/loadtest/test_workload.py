@@ -1,38 +1,12 @@
-"""Arrival schedules and workloads: exact prompt lengths, shared prefixes, datasets, seeding."""
+"""Workloads: exact prompt lengths as the target counts them, shared prefixes, datasets, seeding."""
 
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from loadtest.schedule import Schedule, arrival_offsets
 from loadtest.workload import from_file, synthetic
-
-
-def test_burst_sends_everything_at_zero():
-    assert arrival_offsets(Schedule.burst, 5) == [0.0] * 5
-
-
-def test_constant_rate_spacing():
-    assert arrival_offsets(Schedule.constant, 4, rate=2.0) == [0.0, 0.5, 1.0, 1.5]
-
-
-@pytest.mark.parametrize("schedule, burstiness", [(Schedule.poisson, 1.0), (Schedule.gamma, 0.5), (Schedule.gamma, 4.0)])
-def test_gamma_arrivals_have_the_asked_rate(schedule, burstiness):
-    offsets = arrival_offsets(schedule, 20000, rate=50.0, burstiness=burstiness, seed=1)
-    assert offsets[0] == 0 and all(b >= a for a, b in zip(offsets, offsets[1:]))
-    gaps = np.diff(offsets)
-    assert 20000 / offsets[-1] == pytest.approx(50.0, rel=0.05)
-    # coefficient of variation of gamma gaps is 1/sqrt(shape): burstier means more spread
-    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1 / np.sqrt(burstiness), rel=0.1)
-    assert offsets == arrival_offsets(schedule, 20000, rate=50.0, burstiness=burstiness, seed=1)
-
-
-def test_rate_schedules_need_a_rate():
-    with pytest.raises(ValueError, match="rate"):
-        arrival_offsets(Schedule.poisson, 3)
 
 
 def test_synthetic_prompts_have_exact_token_counts(smollm2_tokenizer):
