@@ -92,9 +92,10 @@ async def run_session(session: Session, progress: Progress | None = None,
                       warn: Callable[[str], None] = lambda _: None) -> list[TargetResult]:
     """Measure every target at every point, one after another."""
     base_seed = session.seed if session.seed is not None else secrets.randbits(32)
+    tokenizers = {path: load_tokenizer(path) for path in {t.tokenizer for t in session.targets}}
     results = []
     for i, target in enumerate(session.targets):
-        tokenizer = load_tokenizer(target.tokenizer)
+        tokenizer = tokenizers[target.tokenizer]
         endpoint = session.points[0].request.endpoint
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
             hardware, source, info = await server_hardware(http, target, warn)
