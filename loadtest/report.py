@@ -119,6 +119,7 @@ def write_summaries(folder: Path, summaries: list[dict]) -> None:
 
 def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test") -> Path:
     """Every plot as PNG, and report.html holding the same plots inlined with the numbers and settings."""
+    folder.mkdir(parents=True, exist_ok=True)
     figures = plots(measured)
     images = {}
     for name, fig in figures.items():
