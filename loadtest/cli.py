@@ -11,7 +11,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -79,11 +78,13 @@ def _slos(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def _given(ctx: click.Context, name: str) -> bool:
-    return ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user set ``name`` (typer vendors its own click: compare the source by name)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
 
 
-def _paper_conflicts(ctx: click.Context, output_len: str) -> list[str]:
+def _paper_conflicts(ctx: typer.Context, output_len: str) -> list[str]:
     """Options that would change the paper's workload (1000 x 512 tokens, burst, fixed output, ignore_eos)."""
     names = ("requests", "input_len", "schedule", "rate", "burstiness", "concurrency", "sweep_concurrency",
              "sweep_rate", "duration", "dataset", "prefix_len", "num_prefixes")
@@ -93,6 +94,23 @@ def _paper_conflicts(ctx: click.Context, output_len: str) -> list[str]:
     if ctx.params["ignore_eos"] is False:
         bad.append("--no-ignore-eos (the paper's outputs are of fixed length)")
     return bad
+
+
+def _unused(ctx: typer.Context) -> str | None:
+    """Options the rest of the command line would leave without effect (nothing accepted and ignored)."""
+    p = ctx.params
+    if p["dataset"] is not None and (_given(ctx, "input_len") or p["prefix_len"]):
+        return "--input-len and --prefix-len shape synthetic prompts, not a --dataset's"
+    if _given(ctx, "num_prefixes") and not p["prefix_len"]:
+        return "--num-prefixes needs --prefix-len"
+    if p["sweep_rate"] and p["rate"] is not None:
+        return "--sweep-rate sets the rate of each point: drop --rate"
+    if p["sweep_concurrency"] and p["concurrency"] is not None:
+        return "--sweep-concurrency sets the concurrency of each point: drop --concurrency"
+    closed_loop = p["concurrency"] or p["sweep_concurrency"]
+    if p["duration"] and p["schedule"] is Schedule.burst and not p["sweep_rate"] and not closed_loop:
+        return "--duration stops later sends, but a burst sends everything at t=0: add --concurrency or a rate"
+    return None
 
 
 @app.command()
@@ -151,6 +169,8 @@ def run(
 ) -> None:
     """Run the same workload against every target, one after another, and compare them."""
     targets = _targets(url, model, hardware, target, api_key, tokenizer)
+    if unused := _unused(ctx):
+        raise typer.BadParameter(unused, param_hint="options")
     if preset is Preset.paper:
         if conflicts := _paper_conflicts(ctx, output_len):
             raise typer.BadParameter(f"{', '.join(conflicts)} would change the paper's workload (1000 prompts x 512 "

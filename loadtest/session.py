@@ -116,8 +116,7 @@ async def run_session(session: Session, progress: Progress | None = None,
                     backend="openai-chat" if endpoint == "chat" else "openai",
                     ignore_eos=cfg.request.ignore_eos, temperature=cfg.request.temperature,
                     workload=session.workload.describe(), point=point_desc(cfg), prompt_seed=seed,
-                    prompts=("reproducible from --seed" if session.seed is not None else "fresh for this run")
-                    + ", distinct per target and point")
+                    prompts=_prompts_note(session))
                 result.server_info = info
                 results.append(result)
     return results
@@ -182,6 +181,13 @@ def workload_key(summary: dict, cfg: RunConfig) -> str:
     if summary["temperature"] is not None:
         key += f" temperature={summary['temperature']:g}"
     return key + point_desc(cfg)
+
+
+def _prompts_note(session: Session) -> str:
+    if session.workload.dataset is not None:  # a dataset's prompts are what they are: only their order changes
+        return "the dataset's, shuffled per target and point (a prefix cache may serve repeats)"
+    fresh = "reproducible from --seed" if session.seed is not None else "fresh for this run"
+    return fresh + ", distinct per target and point"
 
 
 def _now() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-import click
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -16,7 +15,7 @@ TARGET = ["loadtest", "run", "--target", "http://127.0.0.1:9#m", "--requests", "
 
 
 def _usage_error(args: list[str], *words: str) -> str:
-    result = CliRunner().invoke(cli, args)
+    result = CliRunner().invoke(cli, args, env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
     for word in words:
@@ -39,6 +38,12 @@ def _usage_error(args: list[str], *words: str) -> str:
     (["loadtest", "run", "--target", "http://x#m@"], ["URL#MODEL@HARDWARE"]),
     (["loadtest", "run", "--requests", "1"], ["--target"]),
     (["serve", "--log-level", "bogus"], ["--log-level", "info", "debug"]),
+    # nothing accepted and ignored
+    (TARGET + ["--dataset", __file__, "--input-len", "64"], ["--dataset"]),
+    (TARGET + ["--num-prefixes", "4"], ["--prefix-len"]),
+    (TARGET + ["--schedule", "poisson", "--rate", "2", "--sweep-rate", "1,2"], ["drop --rate"]),
+    (TARGET + ["--concurrency", "2", "--sweep-concurrency", "1,2"], ["drop --concurrency"]),
+    (TARGET + ["--duration", "5"], ["--duration"]),
 ])
 def test_bad_options_are_usage_errors(args, words):
     _usage_error(args, *words)
@@ -59,16 +64,18 @@ def test_version_comes_from_the_package_metadata():
     assert result.exit_code == 0 and result.output.strip() == f"burstgate {version('burstgate')}"
 
 
-def _commands(group: click.Group, prefix: str = ""):
+def _commands(group, prefix: str = ""):
     for name, command in group.commands.items():
-        if isinstance(command, click.Group):
+        if hasattr(command, "commands"):  # a group (typer vendors its own click)
             yield from _commands(command, f"{prefix}{name} ")
         else:
             yield f"{prefix}{name}", command
 
 
 def test_every_option_has_help_and_a_readable_metavar():
-    for name, command in _commands(typer.main.get_command(cli)):
+    commands = dict(_commands(typer.main.get_command(cli)))
+    assert {"serve", "loadtest run", "loadtest report", "loadtest leaderboard", "loadtest mock-server"} <= commands.keys()
+    for name, command in commands.items():
         assert command.help, name
         for param in command.params:
             assert getattr(param, "help", None), f"{name} {param.name} has no help"
