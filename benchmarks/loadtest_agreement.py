@@ -3,7 +3,8 @@
 Both tools send a burst of random prompts of exact input length with ignore_eos (the completions and the
 chat route) to burstgate serving the embedded SmolLM2, then to real vLLM (CPU build) serving the same
 model; rounds alternate which tool goes first, each round on fresh prompts. Printed per server and route:
-median output throughput and median TTFT of burstgate's tester over vLLM's bench (goal: within 5%), and
+median output throughput and median TTFT of burstgate's tester over vLLM's bench (goal: within 5%; also
+the median of each round's back-to-back ratio, which cancels the load others put on a shared machine), and
 the input token totals (goal: identical), from both tools' result files in vLLM's schema (whose keys must
 match too).
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, start_vllm, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,9 +113,17 @@ def summarize(rows: list[dict]) -> list[dict]:
             inputs = {tool: sorted({r["total_input_tokens"] for r in mine if r["tool"] == tool})
                       for tool in ("vllm", "burstgate")}
             same_keys = all(r["keys"] == mine[0]["keys"] for r in mine)
+            # Each round's two runs are back to back: their ratio cancels the load other processes put on the
+            # machine for that minute, which the medians over rounds do not.
+            pairs = [{t: next(r for r in mine if r["round"] == n and r["tool"] == t) for t in ("vllm", "burstgate")}
+                     for n in sorted({r["round"] for r in mine})]
+            paired = {m: statistics.median(p["burstgate"][m] / p["vllm"][m] for p in pairs)
+                      for m in ("output_throughput", "median_ttft_ms")}
             out.append({"server": server, "endpoint": endpoint, "median": med,
                         "output_throughput_ratio": med["burstgate"]["output_throughput"] / med["vllm"]["output_throughput"],
                         "median_ttft_ratio": med["burstgate"]["median_ttft_ms"] / med["vllm"]["median_ttft_ms"],
+                        "paired_output_throughput_ratio": paired["output_throughput"],
+                        "paired_median_ttft_ratio": paired["median_ttft_ms"],
                         "input_token_totals": inputs, "input_totals_identical": inputs["vllm"] == inputs["burstgate"],
                         "result_keys_identical": same_keys})
     return out
@@ -152,8 +161,9 @@ def main() -> None:
     print(f"\nburstgate loadtest / vllm bench serve, medians of {args.rounds} rounds, burst of {args.requests} x "
           f"{args.input_len} tokens in, {args.output_len} out (ignore_eos):")
     for s in summary:
-        print(f"  {s['server']:9s} {s['endpoint']:11s} output throughput {s['output_throughput_ratio']:.3f}x   "
-              f"median TTFT {s['median_ttft_ratio']:.3f}x   input tokens {s['input_token_totals']['burstgate']} vs "
+        print(f"  {s['server']:9s} {s['endpoint']:11s} output throughput {s['output_throughput_ratio']:.3f}x "
+              f"(paired {s['paired_output_throughput_ratio']:.3f}x)   median TTFT {s['median_ttft_ratio']:.3f}x "
+              f"(paired {s['paired_median_ttft_ratio']:.3f}x)   input tokens {s['input_token_totals']['burstgate']} vs "
               f"{s['input_token_totals']['vllm']} ({'identical' if s['input_totals_identical'] else 'DIFFERENT'})   "
               f"result keys {'identical' if s['result_keys_identical'] else 'DIFFERENT'}")
     if args.save:
@@ -169,7 +179,7 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    from gateway.info import cpu_model
+    from gateway.info import cpu_model  # noqa: E402
 
     return cpu_model()
 
