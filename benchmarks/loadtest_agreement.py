@@ -179,7 +179,7 @@ def main() -> None:
 
 
 def _cpu() -> str:
-    from gateway.info import cpu_model  # noqa: E402
+    from gateway.info import cpu_model
 
     return cpu_model()
 
