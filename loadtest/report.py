@@ -264,10 +264,13 @@ def _itl_histogram(measured):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    for m in measured:
-        itls = [gap * 1000 for r in m.records if r.ok for gap in r.itls]
-        if itls:
-            ax.hist(itls, bins=60, histtype="step", label=m.name)
+    itls = {m.name: [gap * 1000 for r in m.records if r.ok for gap in r.itls] for m in measured}
+    values = [v for vs in itls.values() for v in vs]
+    if values:  # shared bins, at least 1 µs wide in all (equal gaps leave no range to divide)
+        edges = np.linspace(min(values), max(max(values), min(values) + 1e-3), 61)
+        for name, vs in itls.items():
+            if vs:
+                ax.hist(vs, bins=edges, histtype="step", label=name)
     ax.set_yscale("log")
     ax.set_xlabel("inter-token latency (ms)")
     ax.set_ylabel("chunks")

@@ -10,6 +10,14 @@ from loadtest.metrics import RequestRecord, summarize
 from loadtest.report import Measured, plots, token_rate_over_time, write_report
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def _measured(target: str, point: str, slow: float) -> Measured:
     records = [RequestRecord(i, 0.0, actual_send=0.01 * i, chunk_times=[0.01 * i + slow * k for k in range(1, 5)],
                              output_tokens=4, ok=True) for i in range(20)]
