@@ -16,6 +16,7 @@ from backends.base import GenerationChunk, GenerationRequest, InvalidRequestErro
 from gateway import errors
 from gateway.config import hash_key
 from gateway.errors import GatewayError, sse_error_event
+from gateway.info import server_info
 from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -155,6 +156,11 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     @app.get("/metrics", tags=["operations"])
     async def metrics(_: None = Depends(metrics_auth)):
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/info", tags=["operations"])
+    async def info_route(_: Caller = Depends(authenticate)):
+        """The server's devices and, per model, each deployment's kind and engine settings (no secrets)."""
+        return server_info(gateway)
 
     @app.get("/admin/backends", tags=["operations"])
     async def admin_backends(_: Caller = Depends(authenticate)):

@@ -20,12 +20,29 @@ app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine 
 app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
 log = logging.getLogger("burstgate")
 
-_SERVE_ENV = "BURSTGATE_SERVE_ARGS"
+_SERVE_ENV = "BURSTGATE_SERVE_ARGS"  # hands the parsed options to uvicorn worker processes
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"burstgate {version('burstgate')}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
-    """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""  # hands the parsed options to uvicorn worker processes
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
+    """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""
+
+
+class LogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
 
 
 class Dtype(str, Enum):
@@ -87,25 +104,30 @@ def app_from_env():
 
 @app.command()
 def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8000,
     config: Annotated[Path | None, typer.Option(help="YAML config (models, deployments, keys, limits).",
-                                                exists=True, dir_okay=False)] = None,
-    model: Annotated[Path | None, typer.Option(help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Public name for --model.")] = None,
+                                                exists=True, dir_okay=False, metavar="FILE")] = None,
+    model: Annotated[Path | None, typer.Option(metavar="PATH",
+                                               help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(metavar="NAME", help="Public name for --model.")] = None,
     backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).")] = BackendKind.native,
     dtype: Annotated[Dtype | None, typer.Option(help="In-process engine dtype (auto: bf16 where the hardware "
                                                 "computes in it, else float32).")] = None,
-    device: Annotated[str | None, typer.Option(help="Native engine device: auto (CUDA when present), cpu, cuda or "
-                                               "cuda:N.")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
+    device: Annotated[str | None, typer.Option(metavar="DEVICE", help="Native engine device: auto (CUDA when "
+                                               "present), cpu, cuda or cuda:N.")] = None,
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
+    log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
 ) -> None:
     """Start the gateway. With no options: SmolLM2-135M-Instruct on the native engine, in-process."""
     import uvicorn
 
+    log_level = log_level.value
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = build_settings(config, model, dtype, served_model_name, backend, device)
+    try:
+        settings = build_settings(config, model, dtype, served_model_name, backend, device)
+    except ValueError as exc:  # an invalid config file or environment override
+        raise typer.BadParameter(str(exc), param_hint="--config / BURSTGATE_*") from None
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
     if workers > 1:
