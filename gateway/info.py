@@ -113,6 +113,8 @@ def _engine_config(backend) -> Any:
         engine = getattr(backend, "engine", None)
     except Exception:  # not started yet: what it will be started with
         engine = None
+    if engine is not None and hasattr(engine, "settings"):
+        return engine.settings()
     return getattr(engine, "config", None) or getattr(backend, "config", None)
 
 

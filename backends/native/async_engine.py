@@ -65,7 +65,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self._thread.is_alive()
+        return self.dead is None and self._thread.is_alive() and self.engine.alive
 
     def close(self) -> None:
         self._stopped = True
@@ -88,6 +88,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or OOM: fail every request, keep serving new ones
                 log.exception("engine step failed")
+                if not self.engine.alive:  # a tensor-parallel worker died: nothing more can run
+                    self.dead = exc
                 self._fail_all(UpstreamError(f"engine step failed: {exc}"))
                 continue
             self._deliver(outputs)

@@ -28,6 +28,7 @@ class NativeBackend(Backend):
         self.model_name = model_name
         self.config = config or EngineConfig()
         self._engine = engine
+        self._owns_engine = engine is None  # an engine passed in is shared, and closed by its owner
         self._async: AsyncEngine | None = None
 
     async def start(self) -> None:
@@ -39,6 +40,9 @@ class NativeBackend(Backend):
         if self._async is not None:
             await asyncio.to_thread(self._async.close)
             self._async = None
+        if self._owns_engine and self._engine is not None:
+            await asyncio.to_thread(self._engine.close)
+            self._engine = None
 
     @property
     def engine(self) -> LLMEngine:

@@ -41,7 +41,12 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(Path(config.tokenizer) if config.tokenizer else checkpoint.tokenizer_path)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position_embeddings,
                                  checkpoint.config.max_position_embeddings)
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        if config.tensor_parallel_size > 1:
+            from backends.native.workers import ParallelRunner
+
+            self.runner = ParallelRunner(config, checkpoint, self.max_model_len)
+        else:
+            self.runner = ModelRunner(config, checkpoint, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         eos = set(checkpoint.config.eos_token_ids)
@@ -106,6 +111,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def alive(self) -> bool:
+        """False once a tensor-parallel worker died: nothing more can run."""
+        return self.runner.alive
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.runner.close()
+
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one batch; (request id, chunk) for every request that got a token."""
@@ -130,6 +144,14 @@ class LLMEngine:
         return seq.request_id, GenerationChunk(update.text, [update.sampled.token_id], logprobs, reason, usage)
 
     # ---------------------------------------------------------------------------------- figures
+    def settings(self) -> dict:
+        """What the engine runs with: its configuration with every ``auto`` resolved (for GET /info)."""
+        runner = self.runner
+        return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
+                "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
+                "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
+                "cuda_graphs": runner.graphs is not None}
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=self.blocks.usage,
