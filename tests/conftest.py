@@ -52,7 +52,8 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def native_engine(smollm2_tokenizer) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_model_len=1024, num_blocks=256, max_num_batched_tokens=512),
+    return LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, num_blocks=256,
+                                  max_num_batched_tokens=512),
                      tokenizer=smollm2_tokenizer)
 
 

@@ -126,6 +126,14 @@ class BlockManager:
             parent = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block and the hit counters (vLLM's ``reset_prefix_cache``); no block may be held."""
+        assert self.num_free_blocks == self.num_blocks, "blocks are still held"
+        self._cached.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.prefix_queries = self.prefix_hits = 0
+
     # ------------------------------------------------------------------------------------ release
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; tail blocks first, so they are evicted first."""

@@ -27,7 +27,7 @@ class EngineConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights (vLLM's name)
     hf_overrides: dict[str, Any] = Field(default_factory=dict)  # config.json fields replaced (e.g. fewer layers)
     seed: int = 0  # of dummy weights
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: see ``torch_dtype``
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: CUDA when present
     block_size: int = Field(16, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_utilization on CUDA
@@ -42,6 +42,7 @@ class EngineConfig(BaseModel):
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
+    warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""
@@ -67,10 +68,13 @@ class EngineConfig(BaseModel):
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16)."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return False
     return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))

@@ -8,6 +8,7 @@ streams, so nothing converts it again between the engine and the gateway.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -58,10 +59,24 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s on %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, self.blocks.num_blocks,
-                 config.block_size, self.blocks.num_blocks * config.block_size, self.max_model_len,
-                 self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
+        log.info("native engine: %s on %s, %s (dtype %s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, config.dtype,
+                 self.blocks.num_blocks, config.block_size, self.blocks.num_blocks * config.block_size,
+                 self.max_model_len, self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
+        if config.warmup:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run prefill chunks and decode steps of throwaway requests once, as vLLM does before serving:
+        kernels are compiled or autotuned, caches and allocators grown, so the first real burst runs as
+        fast as the second. Leaves no sequence, KV block, prefix-cache entry or counted token behind."""
+        started = time.perf_counter()
+        length = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len - 8, 256))
+        prompts = [[(7 + 13 * i + j) % self.vocab_size for j in range(length)] for i in range(2)]
+        self.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        self.blocks.reset_prefix_cache()
+        self.prompt_tokens_total = self.generation_tokens_total = self.scheduler.num_preemptions = 0
+        log.info("native engine: warmed up in %.2f s", time.perf_counter() - started)
 
     # ------------------------------------------------------------------------------- admission
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -18,7 +18,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def backend(smollm2_tokenizer):
-    engine = LLMEngine(EngineConfig(max_model_len=512, num_blocks=64), tokenizer=smollm2_tokenizer)
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, num_blocks=64), tokenizer=smollm2_tokenizer)
     b = NativeBackend("smollm2", engine=engine)
     asyncio.run(b.start())
     yield b

@@ -29,7 +29,7 @@ def reference(hf_smollm2, prompts):
 
 
 def _engine(tokenizer, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(max_model_len=1024, **overrides), tokenizer=tokenizer)
+    return LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, **overrides), tokenizer=tokenizer)
 
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:

@@ -63,7 +63,7 @@ PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 6, "
 
 def test_greedy_and_logits_match(case, smollm2_tokenizer):
     hf, path = case
-    engine = LLMEngine(EngineConfig(model_path=str(path), max_num_batched_tokens=40), tokenizer=smollm2_tokenizer)
+    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_num_batched_tokens=40), tokenizer=smollm2_tokenizer)
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     refs = [hf_greedy(hf, p, 12) for p in prompts]
 
