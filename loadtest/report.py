@@ -231,40 +231,37 @@ def token_rate_over_time(records: list[RequestRecord], bins: int = 40) -> tuple[
     return edges[:-1], counts / np.diff(edges)
 
 
-def _over_time(measured):
+def _wide_axes(title: str, xlabel: str, ylabel: str):
+    """A figure for one quantity over time or its distribution, one series per target."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4))
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    return fig, ax
+
+
+def _over_time(measured):
+    fig, ax = _wide_axes("throughput over time", "s since the first send", "output tokens/s")
     for m in measured:
         t, rate = token_rate_over_time(m.records)
         ax.step(t, rate, where="post", label=m.name)
-    ax.set_xlabel("s since the first send")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("throughput over time")
     ax.legend(fontsize=7)
     return fig
 
 
 def _ttft_over_time(measured):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = _wide_axes("TTFT over time", "send time (s since the first send)", "TTFT (ms)")
     for m in measured:
         good = [r for r in m.records if r.ok]
         if good:
             start = min(r.actual_send for r in m.records)
             ax.scatter([r.actual_send - start for r in good], [r.ttft * 1000 for r in good], s=8, label=m.name)
-    ax.set_xlabel("send time (s since the first send)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT over time")
     ax.legend(fontsize=7)
     return fig
 
 
 def _itl_histogram(measured):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = _wide_axes("ITL distribution (log count: the tail stays visible)", "inter-token latency (ms)", "chunks")
     itls = {m.name: [gap * 1000 for r in m.records if r.ok for gap in r.itls] for m in measured}
     values = [v for vs in itls.values() for v in vs]
     if values:  # shared bins, at least 1 µs wide in all (equal gaps leave no range to divide)
@@ -273,9 +270,6 @@ def _itl_histogram(measured):
             if vs:
                 ax.hist(vs, bins=edges, histtype="step", label=name)
     ax.set_yscale("log")
-    ax.set_xlabel("inter-token latency (ms)")
-    ax.set_ylabel("chunks")
-    ax.set_title("ITL distribution (log count: the tail stays visible)")
     ax.legend(fontsize=7)
     return fig
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.native.batch import Batch
+
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
@@ -45,3 +47,18 @@ def parity_prompts(tokenizer) -> list[list[int]]:
     """Chat and raw-text prompts of 6 to ~400 tokens, some sharing long prefixes."""
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     return chats + [tokenizer.encode(t) for t in RAW_TEXTS]
+
+
+def prefill_batch(prompts: list[list[int]], block_size: int, spare: int = 0) -> tuple[Batch, list[list[int]]]:
+    """One flat prefill step of ``prompts``, each in fresh consecutive blocks with room for ``spare`` more
+    tokens; and the block tables."""
+    next_block, flat, positions, slots, tables = 0, [], [], [], []
+    for p in prompts:
+        table = list(range(next_block, next_block + -(-(len(p) + spare) // block_size)))
+        next_block += len(table)
+        tables.append(table)
+        flat += p
+        positions += range(len(p))
+        slots += [table[i // block_size] * block_size + i % block_size for i in range(len(p))]
+    lens = [len(p) for p in prompts]
+    return Batch(flat, positions, slots, lens, lens, tables, [True] * len(prompts)), tables

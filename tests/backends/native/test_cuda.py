@@ -19,7 +19,7 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.cuda_graphs import capture_sizes
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy, parity_prompts
+from tests.backends.native.reference import hf_greedy, parity_prompts, prefill_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -97,19 +97,9 @@ def test_prefix_cache_hits_keep_outputs_identical_on_the_gpu(smollm2_tokenizer, 
 
 
 def _prefill_logits(engine: LLMEngine, prompts: list[list[int]], spare: int = 0) -> tuple[torch.Tensor, list]:
-    """Last-position logits of one flat prefill step, each prompt in its own fresh blocks (room for
-    ``spare`` more tokens); and the block tables used."""
-    bs, next_block, flat, pos, slots, tables = engine.blocks.block_size, 0, [], [], [], []
-    for p in prompts:
-        table = list(range(next_block, next_block + -(-(len(p) + spare) // bs)))
-        next_block += len(table)
-        tables.append(table)
-        flat += p
-        pos += range(len(p))
-        slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
-    lens = [len(p) for p in prompts]
-    logits = engine.runner.execute(Batch(flat, pos, slots, lens, lens, tables, [True] * len(prompts)))
-    return logits.cpu(), tables
+    """Last-position logits of one flat prefill step, and its block tables (room for ``spare`` more tokens)."""
+    batch, tables = prefill_batch(prompts, engine.blocks.block_size, spare)
+    return engine.runner.execute(batch).cpu(), tables
 
 
 def test_fp32_logits_match_and_bf16_logits_stay_within_bf16_rounding(smollm2_path, smollm2_tokenizer, prompts,

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from backends.base import SamplingParams
-from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy, parity_prompts
+from tests.backends.native.reference import hf_greedy, parity_prompts, prefill_batch
 
 NEW_TOKENS = 64
 @pytest.fixture(scope="module")
@@ -52,18 +51,7 @@ def test_prompts_are_varied(prompts):
 
 def test_last_position_logits_match_within_1e3(smollm2_tokenizer, prompts, reference):
     engine = _engine(smollm2_tokenizer)
-    bs, table_start = engine.blocks.block_size, 0
-    token_ids, positions, slots, tables = [], [], [], []
-    for p in prompts:  # all prompts in one flat prefill batch, each with its own blocks
-        nblocks = -(-len(p) // bs)
-        table = list(range(table_start, table_start + nblocks))
-        table_start += nblocks
-        token_ids += p
-        positions += range(len(p))
-        slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
-        tables.append(table)
-    batch = Batch(token_ids, positions, slots, [len(p) for p in prompts], [len(p) for p in prompts],
-                  tables, [True] * len(prompts))
+    batch, _ = prefill_batch(prompts, engine.blocks.block_size)  # all prompts in one flat step
     logits = engine.runner.execute(batch)
     expected = torch.stack([ref_logits for _, ref_logits in reference])
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)

@@ -15,7 +15,7 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.engine import LLMEngine
 from backends.native.model_runner import build_model
-from tests.backends.native.reference import hf_greedy
+from tests.backends.native.reference import hf_greedy, prefill_batch
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -68,16 +68,7 @@ def test_greedy_and_logits_match(case, smollm2_tokenizer):
     refs = [hf_greedy(hf, p, 12) for p in prompts]
 
     # Batched prefill logits, one flat batch.
-    bs, next_block, slots, tables, flat, pos = engine.blocks.block_size, 0, [], [], [], []
-    for p in prompts:
-        table = list(range(next_block, next_block + -(-len(p) // bs)))
-        next_block += len(table)
-        tables.append(table)
-        flat += p
-        pos += range(len(p))
-        slots += [table[i // bs] * bs + i % bs for i in range(len(p))]
-    lens = [len(p) for p in prompts]
-    logits = engine.runner.execute(Batch(flat, pos, slots, lens, lens, tables, [True] * len(prompts)))
+    logits = engine.runner.execute(prefill_batch(prompts, engine.blocks.block_size)[0])
     torch.testing.assert_close(logits, torch.stack([r[1] for r in refs]), atol=1e-4, rtol=1e-4)
 
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
