@@ -61,7 +61,8 @@ class BackendKind(str, Enum):
 def build_settings(config: Path | None, model: Path | None, name: str | None = None,
                    backend: BackendKind = BackendKind.native, **engine_options: str | int | None) -> Settings:
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
-    models with that one model served in-process by that engine. ``engine_options`` (``dtype``, ``device``,
+    models with that one model served in-process by that engine; ``name`` is the public name of the one model
+    served. ``engine_options`` (``dtype``, ``device``,
     ``tensor_parallel_size``: None when not given) apply to every in-process deployment, and are refused
     where none would use them."""
     settings = load_settings(config)
@@ -78,8 +79,13 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
             deployment = {"kind": backend.value, "model_path": str(model) if model else None, **options}
             settings.models = [ModelRoute(name=name or (model.stem if model else DEFAULT_MODEL_NAME),
                                           deployments=[deployment])]
-        elif options:
-            settings.models = [_with_engine_options(route, options) for route in settings.routes()]
+        else:
+            routes = settings.routes()
+            if options:
+                routes = [_with_engine_options(route, options) for route in routes]
+            if name is not None:
+                routes = [_renamed(routes, name)]
+            settings.models = routes
     except ValidationError as exc:
         raise typer.BadParameter(str(exc), param_hint=", ".join(map(_flag, options))) from exc
     return settings
@@ -87,6 +93,14 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
 
 def _flag(option: str) -> str:
     return "--" + option.replace("_", "-")
+
+
+def _renamed(routes: list[ModelRoute], name: str) -> ModelRoute:
+    """The one model of ``routes`` served as ``name`` (``--served-model-name`` without ``--model``)."""
+    if len(routes) != 1:
+        raise typer.BadParameter(f"the config serves {len(routes)} models; name them in the config, not here",
+                                 param_hint="--served-model-name")
+    return routes[0].model_copy(update={"name": name})
 
 
 def _with_engine_options(route: ModelRoute, options: dict[str, str]) -> ModelRoute:

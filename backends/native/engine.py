@@ -16,7 +16,7 @@ import torch
 from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
-from backends.native.model_runner import ModelRunner
+from backends.native.model_runner import ModelRunner, kv_bytes_per_block
 from backends.native.sampler import sample, token_logprobs
 from backends.native.scheduler import Scheduler, Update
 from backends.native.sequence import Sequence
@@ -164,6 +164,8 @@ class LLMEngine:
         runner = self.runner
         return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
+                "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
+                    self.model_config, self.blocks.block_size, runner.dtype, self.config.tensor_parallel_size),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "cuda_graphs": runner.graphs is not None}
 

@@ -128,6 +128,16 @@ def test_model_option_serves_a_local_path(tmp_path, smollm2_path):
         build_settings(None, tmp_path / "missing.gguf")
 
 
+def test_served_model_name_alone_renames_the_one_configured_model(tmp_path):
+    (route,) = build_settings(None, None, "smol").routes()
+    assert route.name == "smol" and route.deployments[0].kind == "native"
+    path = tmp_path / "two.yaml"
+    path.write_text("models: [{name: a, deployments: [{kind: openai, url: 'http://x/v1'}]},"
+                    " {name: b, deployments: [{kind: openai, url: 'http://y/v1'}]}]")
+    with pytest.raises(typer.BadParameter, match="serves 2 models"):
+        build_settings(path, None, "c")
+
+
 def test_backend_option_serves_the_model_on_deepspeed_inference():
     (route,) = build_settings(None, None, None, BackendKind.deepspeed, dtype="bfloat16").routes()
     assert route.name == DEFAULT_MODEL_NAME and route.deployments[0].kind == "deepspeed"
