@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.base import GenerationRequest, InvalidRequestError
 from gateway import errors
 from gateway.config import hash_key
-from gateway.errors import GatewayError, sse_error_event
+from gateway.errors import ClientDisconnected, GatewayError, sse_error_event
 from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, Folded, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -85,10 +85,8 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         stream = gateway.generate(group, gen, caller)
         if not body.stream:
             return await _until_disconnect(request, _fold(stream, writer))
-        try:
-            first = await anext(stream)  # errors before the first token keep their HTTP status
-        except StopAsyncIteration:
-            first = None
+        try:  # errors before the first token keep their HTTP status; a client gone by then aborts the work
+            first = await _until_disconnect(request, _first(stream))
         except BaseException:
             await stream.aclose()
             raise
@@ -176,6 +174,11 @@ async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
     return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
 
 
+async def _first(stream: AsyncIterator):
+    """The stream's first item, or None when it is empty."""
+    return await anext(stream, None)
+
+
 async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usage: bool,
                continuous_usage: bool) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(stream) as chunks:
@@ -204,19 +207,21 @@ async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _until_disconnect(request: Request, work) -> Response:
-    """Run ``work``, cancelling it if the client disconnects first (vLLM's ``with_cancellation``)."""
+async def _until_disconnect(request: Request, work):
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``ClientDisconnected``
+    raised (vLLM's ``with_cancellation``)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return Response(status_code=499)  # nobody is listening; the status is for logs only
+        if not task.done():  # the client left (or we are cancelled ourselves): stop the work, and wait for it
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
 
 
 async def _wait_disconnect(request: Request) -> None:

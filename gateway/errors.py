@@ -11,7 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import (
@@ -34,6 +34,10 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its answer began; the work was cancelled (answered 499, for logs only)."""
 
 
 def unauthorized(message: str = "Invalid or missing API key.") -> GatewayError:
@@ -119,6 +123,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(GatewayError)
     async def _gateway(_: Request, exc: GatewayError):
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected):
+        return Response(status_code=499)  # nobody is listening: nginx's "client closed request", for logs
 
     @app.exception_handler(BackendError)
     async def _backend(_: Request, exc: BackendError):
