@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -121,6 +122,11 @@ class SamplingParams:
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# The X-Request-Id of the HTTP request being served (set by the gateway for the request's task and the
+# tasks it starts): HTTP backends forward it upstream, so one id follows a request through every server.
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 
 
 @dataclass

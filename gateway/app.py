@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,7 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.base import GenerationRequest, InvalidRequestError
 from gateway import errors
-from gateway.config import hash_key
+from gateway.access_log import RequestIdMiddleware
+from gateway.auth import KeyRing, bearer_token
 from gateway.errors import ClientDisconnected, GatewayError, sse_error_event
 from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, Folded, ResponseWriter
@@ -40,28 +40,29 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     app.state.gateway = gateway
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
-    keys = {k.sha256: k for k in gateway.settings.api_keys}
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so even a 413 carries the id
+    client_keys, admin_keys = KeyRing(gateway.settings.api_keys), KeyRing(gateway.settings.admin_api_keys)
+    guarded = bool(client_keys or admin_keys)
 
     async def authenticate(request: Request) -> Caller:  # async: no threadpool hop per request
-        if not keys:
+        if not client_keys:
             return ANONYMOUS
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        key = client_keys.match(bearer_token(request))
+        if key is None:
             raise errors.unauthorized()
-        digest = hash_key(token.strip())
-        # Compare against every key in constant time, so timing reveals nothing about near-misses.
-        match = None
-        for stored, key in keys.items():
-            if hmac.compare_digest(stored, digest):
-                match = key
-        if match is None:
-            raise errors.unauthorized()
-        return Caller(match.name, KeyLimits(match.requests_per_minute, match.tokens_per_minute))
+        return Caller(key.name, KeyLimits(key.requests_per_minute, key.tokens_per_minute))
+
+    async def authenticate_admin(request: Request) -> None:
+        """Admin routes take admin keys only; with no key configured at all, nothing is guarded."""
+        if guarded and admin_keys.match(bearer_token(request)) is None:
+            raise errors.unauthorized("Invalid or missing admin API key." if admin_keys else
+                                      "Admin routes are disabled: no admin_api_keys are configured.")
 
     async def metrics_auth(request: Request) -> None:
-        if gateway.settings.protect_metrics:
-            await authenticate(request)
+        if gateway.settings.protect_metrics and guarded:
+            token = bearer_token(request)
+            if client_keys.match(token) is None and admin_keys.match(token) is None:
+                raise errors.unauthorized()
 
     # -------------------------------------------------------------------------------- generation
     @app.post("/v1/chat/completions", tags=["openai"])
@@ -155,7 +156,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/backends", tags=["operations"])
-    async def admin_backends(_: Caller = Depends(authenticate)):
+    async def admin_backends(_: None = Depends(authenticate_admin)):
         return {"models": [{"name": g.name, "routing": g.strategy, "fallbacks": g.fallbacks, "deployments": [
             {"name": d.name, "backend": d.backend.name, "healthy": d.healthy, "weight": d.weight,
              "breaker": d.breaker.state.name.lower(), "consecutive_failures": d.breaker.consecutive_failures,

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
 
@@ -80,6 +81,7 @@ def app_from_env():
     from gateway.service import Gateway
 
     args = json.loads(os.environ[_SERVE_ENV])
+    configure_logging(args[6], args[7])  # a spawned worker starts with no logging configuration
     settings = build_settings(*(Path(a) if a else None for a in args[:2]),
                               Dtype(args[2]) if args[2] else None, args[3], BackendKind(args[4]), args[5])
     return create_app(Gateway.from_settings(settings))
@@ -100,25 +102,30 @@ def serve(
                                                "cuda:N.")] = None,
     workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
+    log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
+                                                  "included), with the request's X-Request-Id.")] = "text",
 ) -> None:
     """Start the gateway. With no options: SmolLM2-135M-Instruct on the native engine, in-process."""
     import uvicorn
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gateway.http_server import uvicorn_options
+
+    configure_logging(log_level, log_format)
     settings = build_settings(config, model, dtype, served_model_name, backend, device)
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
+    options = uvicorn_options(settings.server)
     if workers > 1:
         os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
                                              dtype.value if dtype else None, served_model_name, backend.value,
-                                             device])
+                                             device, log_level, log_format])
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level)
+                    log_level=log_level, **options)
         return
     from gateway.app import create_app
     from gateway.service import Gateway
 
-    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level, **options)
 
 
 
