@@ -15,7 +15,7 @@ from backends.base import GenerationRequest, InvalidRequestError
 from gateway import errors
 from gateway.access_log import RequestIdMiddleware
 from gateway.auth import KeyRing, bearer_token
-from gateway.errors import ClientDisconnected, GatewayError, sse_error_event
+from gateway.errors import BodyTooLarge, ClientDisconnected, sse_error_event
 from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, Folded, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -250,8 +250,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise GatewayError(413, f"Request body exceeds the limit of {self.limit} bytes.",
-                                       type="invalid_request_error", code="request_too_large")
+                    raise BodyTooLarge(self.limit)
             return message
 
         return await self.app(scope, limited_receive, send)

@@ -40,6 +40,15 @@ class ClientDisconnected(Exception):
     """The client hung up before its answer began; the work was cancelled (answered 499, for logs only)."""
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """A body found over the limit while it streams in (chunked). An ``HTTPException`` because FastAPI
+    re-raises those from body parsing, where any other exception becomes a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.limit = limit
+
+
 def unauthorized(message: str = "Invalid or missing API key.") -> GatewayError:
     return GatewayError(401, message, type="authentication_error", code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
@@ -127,6 +136,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def _gone(_: Request, __: ClientDisconnected):
         return Response(status_code=499)  # nobody is listening: nginx's "client closed request", for logs
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, exc: BodyTooLarge):
+        return error_response(body_too_large(exc.limit))
 
     @app.exception_handler(BackendError)
     async def _backend(_: Request, exc: BackendError):
