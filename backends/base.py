@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -117,7 +118,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures under 1e-5 are greedy, as in vLLM (``SamplingParams.sampling_type``): dividing by
+        them overflows the logits."""
+        return self.temperature < SAMPLING_EPS
 
 
 def _finite(x: float) -> bool:

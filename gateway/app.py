@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.base import GenerationRequest, InvalidRequestError
 from gateway import errors
+from gateway import response_models as schemas
 from gateway.access_log import RequestIdMiddleware
 from gateway.auth import KeyRing, bearer_token
 from gateway.errors import BodyTooLarge, ClientDisconnected, sse_error_event
@@ -65,14 +66,14 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
                 raise errors.unauthorized()
 
     # -------------------------------------------------------------------------------- generation
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post("/v1/chat/completions", tags=["openai"], responses=schemas.generation(schemas.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
         gen = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", body.model, params,
                                 messages=body.template_messages(), stream=body.stream)
         return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=True))
 
-    @app.post("/v1/completions", tags=["openai"])
+    @app.post("/v1/completions", tags=["openai"], responses=schemas.generation(schemas.Completion))
     async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
         gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt(),
@@ -95,7 +96,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------------------------- models
-    @app.get("/v1/models", tags=["openai"])
+    @app.get("/v1/models", tags=["openai"], responses=schemas.ok(schemas.ModelList))
     async def list_models(_: Caller = Depends(authenticate)):
         data = []
         for name, group in gateway.groups.items():
@@ -118,7 +119,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
             return next(iter(gateway.groups.values()))
         return gateway.group(model)
 
-    @app.post("/tokenize", tags=["vllm"])
+    @app.post("/tokenize", tags=["vllm"], responses=schemas.ok(schemas.TokenizeResponse, 404, 502, 503, 504))
     async def tokenize(body: TokenizeRequest, _: Caller = Depends(authenticate)):
         group = _tokenizer_group(body.model)
         backend = group.choose().backend
@@ -130,18 +131,19 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
             out["token_strs"] = [await backend.detokenize([i]) for i in ids]
         return out
 
-    @app.post("/detokenize", tags=["vllm"])
+    @app.post("/detokenize", tags=["vllm"], responses=schemas.ok(schemas.DetokenizeResponse, 404, 502, 503, 504))
     async def detokenize(body: DetokenizeRequest, _: Caller = Depends(authenticate)):
         backend = _tokenizer_group(body.model).choose().backend
         return {"prompt": await backend.detokenize(body.tokens)}
 
     # ------------------------------------------------------------------------------ operations
-    @app.get("/health", tags=["operations"])
+    @app.get("/health", tags=["operations"], responses=schemas.ok(schemas.Health))
     async def health():
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/ready", tags=["operations"])
+    @app.get("/ready", tags=["operations"],
+             responses={**schemas.ok(schemas.Readiness, 404), 503: {"model": schemas.Readiness}})
     async def ready(model: str | None = None):
         """Readiness: this gateway can serve at least one model (a healthy deployment, or a fallback
         with one), so one model's outage never pulls the pod out of its Service. ``?model=NAME`` asks
@@ -151,11 +153,12 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         ok = any(state.values())
         return JSONResponse({"ready": ok, "models": state}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get("/metrics", tags=["operations"], responses={**schemas.COMMON, 200: {
+        "description": "Prometheus' text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics(_: None = Depends(metrics_auth)):
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/backends", tags=["operations"])
+    @app.get("/admin/backends", tags=["operations"], responses=schemas.ok(schemas.Backends))
     async def admin_backends(_: None = Depends(authenticate_admin)):
         return {"models": [{"name": g.name, "routing": g.strategy, "fallbacks": g.fallbacks, "deployments": [
             {"name": d.name, "backend": d.backend.name, "healthy": d.healthy, "weight": d.weight,

@@ -126,8 +126,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request.", param
 
 
+def _document_400_not_422(app: FastAPI) -> None:
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that turn every failure into the OpenAI error shape."""
+    """Register the handlers that turn every failure into the OpenAI error shape, and take FastAPI's
+    422 out of the OpenAPI document (validation errors are 400 here)."""
+    _document_400_not_422(app)
 
     @app.exception_handler(GatewayError)
     async def _gateway(_: Request, exc: GatewayError):

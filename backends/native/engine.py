@@ -81,10 +81,11 @@ class LLMEngine:
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty: it must contain at least one token.", param="prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
-                                      param="prompt")
+        for param, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
+                                          param=param)
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         total = len(prompt_ids) + max_tokens
         if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
