@@ -10,6 +10,7 @@ import torch
 
 from backends.base import EngineStats, InvalidRequestError, SamplingParams
 from backends.native.config import EngineConfig
+from backends.native.cpu_quota import resolve_num_threads
 from backends.native.kv_cache import BlockManager
 from backends.native.model_runner import ModelRunner
 from backends.native.sampler import Sampled, sample
@@ -46,8 +47,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         """Load the model named by ``config``; pass ``tokenizer`` to reuse one already loaded."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads, source = resolve_num_threads(config.num_threads)
+        torch.set_num_threads(threads)
+        log.info("native engine: %d CPU threads (%s)", threads, source)
         model_path = Path(config.model_path) if config.model_path else default_model_path()
         self.model_path = model_path
         checkpoint = open_checkpoint(model_path, config.hf_overrides)
