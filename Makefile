@@ -40,8 +40,8 @@ test: install-dev redis
 # RSS, descriptors, asyncio tasks and KV cache before and after go to benchmarks/results/soak.json.
 SOAK_REQUESTS ?= 10000
 soak: install-dev
-	BURSTGATE_SOAK_REQUESTS=$(SOAK_REQUESTS) $(PY) -m pytest -q -p no:cacheprovider -s tests/gateway/test_soak.py \
-		-k embedded_default
+	BURSTGATE_SOAK_REQUESTS=$(SOAK_REQUESTS) $(PY) -m pytest -q -p no:cacheprovider -s --timeout=0 \
+		tests/gateway/test_soak.py -k embedded_default
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks
