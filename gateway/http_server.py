@@ -31,7 +31,10 @@ def uvicorn_options(server: Server) -> dict[str, Any]:
     """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: our protocol, our access log (with
     request ids, gateway/access_log.py) instead of uvicorn's, and our logging configuration."""
     return {"http": functools.partial(GuardedHttpToolsProtocol, limits=server),
-            "timeout_keep_alive": server.keep_alive_timeout_s, "access_log": False, "log_config": None}
+            "timeout_keep_alive": server.keep_alive_timeout_s, "access_log": False, "log_config": None,
+            # --workers: a worker answers the supervisor's pings only once it has imported torch and the
+            # engines (seconds); uvicorn's 5 s killed every worker of a busy machine before it started
+            "timeout_worker_healthcheck": 60}
 
 
 def _response(status: int, reason: str) -> bytes:

@@ -136,17 +136,17 @@ def test_request_ids_are_accepted_or_made_returned_forwarded_and_logged(monkeypa
         200, "/v1/completions", "POST")
 
 
-def test_serve_can_write_json_log_lines_carrying_the_request_id(tmp_path):
+def test_serve_can_write_json_log_lines_carrying_the_request_id_from_every_worker(tmp_path):
     with serve_app(create_mock_app()) as up:
         config = tmp_path / "gateway.yaml"
         config.write_text(f"models: [{{name: m, deployments: [{{kind: openai, url: '{up}/v1', upstream_model: mock}}]}}]")
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port",
-                                 str(port), "--log-format", "json"], stderr=subprocess.PIPE, text=True)
+                                 str(port), "--log-format", "json", "--workers", "2"], stderr=subprocess.PIPE, text=True)
         try:
-            wait_for_port(port, proc=proc)
+            wait_for_port(port, proc=proc)  # the parent listens; the request waits for a worker to start
             r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "Hi"},
-                           headers={"X-Request-Id": "trace-json"})
+                           headers={"X-Request-Id": "trace-json"}, timeout=120)
             assert r.status_code == 200
         finally:
             proc.terminate()
