@@ -178,6 +178,15 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
+    def extend(self, later: GenerationChunk) -> None:
+        """Fold a later chunk of the same stream into this one (a whole answer from its chunks)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.usage = later.usage or self.usage
+
 
 @dataclass
 class BackendInfo:

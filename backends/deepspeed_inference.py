@@ -25,14 +25,14 @@ from backends.base import (
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
-    TokenLogprob,
     UnavailableError,
     UpstreamError,
     Usage,
 )
 from backends.native.config import DTYPES
-from backends.native.sampler import Sampled, sample
+from backends.native.sampler import Sampled, sample, token_logprobs
 from backends.native.sequence import Sequence
+from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,7 @@ class DeepSpeedConfig(BaseModel):
 
 @dataclass(eq=False)
 class _Job:
-    seq: Sequence
-    detok: IncrementalDetokenizer
+    seq: Sequence  # its ``stop`` detokenizes and applies the stop rules
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -130,18 +129,18 @@ class DeepSpeedInferenceBackend(Backend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._thread is None or not self._thread.is_alive():
             raise UnavailableError("DeepSpeed-Inference is not running")
-        params = SamplingParams(**vars(request.params))
+        params = request.params
         params.validate()
         prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)
                       else self._encode(request.prompt, request.messages, request.add_special_tokens))
         self._check(prompt_ids, params)
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(prompt_ids)
         seq = Sequence(request.request_id, prompt_ids, params)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
-        job = _Job(seq, IncrementalDetokenizer(self._tokenizer(), prompt_ids, params.stop, params.skip_special_tokens),
-                   asyncio.get_running_loop(), asyncio.Queue())
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        seq.stop = StopChecker(params, IncrementalDetokenizer(self._tokenizer(), prompt_ids, params.skip_special_tokens),
+                               self.eos_token_ids, max_tokens, self.max_model_len)
+        job = _Job(seq, asyncio.get_running_loop(), asyncio.Queue())
         self._inbox.put(job)
         try:
             while True:
@@ -239,21 +238,10 @@ class DeepSpeedInferenceBackend(Backend):
 
     def _append(self, job: _Job, sampled: Sampled) -> str | None:
         """Record one sampled token, stream its text; the finish reason once the sequence is done."""
-        seq, params, token = job.seq, job.seq.params, sampled.token_id
-        seq.token_ids.append(token)
-        text, hit_stop = job.detok.add(token)
-        reason = None
-        if hit_stop or token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"
-        elif seq.num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            text += job.detok.flush()
-        logprobs = None
-        if params.logprobs is not None:
-            decode = self.tokenizer.decode
-            logprobs = [TokenLogprob(token, decode([token], False), sampled.logprob,
-                                     [(t, decode([t], False), lp) for t, lp in sampled.top or []])]
-        job.emit(GenerationChunk(text=text, token_ids=[token], logprobs=logprobs, finish_reason=reason,
+        seq = job.seq
+        seq.token_ids.append(sampled.token_id)
+        text, reason = seq.stop.add(sampled.token_id, seq.num_tokens)
+        logprobs = token_logprobs(self.tokenizer, sampled) if seq.params.logprobs is not None else None
+        job.emit(GenerationChunk(text=text, token_ids=[sampled.token_id], logprobs=logprobs, finish_reason=reason,
                                  usage=Usage(seq.num_prompt, seq.num_output) if reason else None))
         return reason

@@ -12,84 +12,66 @@ server is busy and 417 for everything else (invalid parameters included). Chat g
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from typing import Any
 
 from backends.base import (
     GenerationChunk,
-    GenerationRequest,
     InvalidRequestError,
     OverloadedError,
     SamplingParams,
     TokenLogprob,
     Usage,
 )
-from backends.http import json_body, raise_for_status, sse_events
-from backends.text_server import TextServerBackend
+from backends.text_server import GenerateAPIBackend
 
 # 417 is LightLLM's answer to any exception while validating or generating; its messages are the
 # ValueErrors of SamplingParams.verify(), so they are the client's to read.
 ERRORS = {417: InvalidRequestError, 503: OverloadedError}
 
 
-class LightLLMBackend(TextServerBackend):
+class LightLLMBackend(GenerateAPIBackend):
     kind = "lightllm"
-
     openai_chat_path = "/v1"
+    server_name = "LightLLM"
+    unsupported = ("min_p", "stop_token_ids", "seed")
+    errors = ERRORS
+    error_field = "message"
 
-    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        body = {"inputs": prompt, "parameters": parameters(request.params)}
-        want_logprobs = request.params.logprobs is not None
-        if not request.stream:
-            r = await self._http.call("POST", "/generate", json=body)
-            _raise(r.status, r.content)
-            reply = json_body(r.content)
-            texts = reply.get("generated_text") or [""]
-            yield GenerationChunk(text=texts[0], finish_reason=_finish(reply.get("finish_reason")),
-                                  usage=Usage(reply.get("prompt_tokens", 0), reply.get("count_output_tokens", 0)))
-            return
-        async with self._http.stream("POST", "/generate_stream", json=body) as r:
-            if r.status != 200:
-                _raise(r.status, await r.read())
-            async for event in sse_events(r):
-                token = event["token"]
-                finished = event.get("finished")
-                yield GenerationChunk(
-                    text=token.get("text") or "", token_ids=[token["id"]] if token.get("id") is not None else [],
-                    logprobs=[TokenLogprob(token.get("id") or -1, token.get("text") or "", token.get("logprob") or 0.0)]
-                    if want_logprobs else None,
-                    finish_reason=_finish(event.get("finish_reason")) if finished else None,
-                    usage=Usage(token.get("prompt_tokens", 0), token.get("count_output_tokens", 0)) if finished else None)
-                if finished:
-                    return
+    def parameters(self, p: SamplingParams) -> dict[str, Any]:
+        """Our sampling settings in LightLLM's terms (it wants temperature > 0, so greedy is do_sample false)."""
+        if p.logprobs:  # it streams the chosen token's logprob, never alternatives
+            raise InvalidRequestError("logprobs alternatives are not supported by LightLLM backends", param="logprobs")
+        out: dict[str, Any] = {"do_sample": not p.greedy, "ignore_eos": p.ignore_eos,
+                               "skip_special_tokens": p.skip_special_tokens}
+        if p.max_tokens is not None:
+            out["max_new_tokens"] = p.max_tokens
+        if p.min_tokens:
+            out["min_new_tokens"] = p.min_tokens
+        if p.stop:
+            out["stop_sequences"] = p.stop
+        if not p.greedy:
+            out.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value, default = getattr(p, name), 1.0 if name == "repetition_penalty" else 0.0
+            if value != default:
+                out[name] = value
+        return out
 
+    def reply_chunk(self, reply: Any, headers: Mapping[str, str], params: SamplingParams) -> GenerationChunk:
+        texts = reply.get("generated_text") or [""]
+        return GenerationChunk(text=texts[0], finish_reason=_finish(reply.get("finish_reason")),
+                               usage=Usage(reply.get("prompt_tokens", 0), reply.get("count_output_tokens", 0)))
 
-def parameters(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling settings in LightLLM's terms (it wants temperature > 0, so greedy is do_sample false)."""
-    for name, used in {"min_p": p.min_p != 0.0, "stop_token_ids": bool(p.stop_token_ids), "seed": p.seed is not None,
-                       "logprobs": bool(p.logprobs)}.items():
-        if used:
-            raise InvalidRequestError(f"{name} is not supported by LightLLM backends", param=name)
-    out: dict[str, Any] = {"do_sample": not p.greedy, "ignore_eos": p.ignore_eos,
-                           "skip_special_tokens": p.skip_special_tokens}
-    if p.max_tokens is not None:
-        out["max_new_tokens"] = p.max_tokens
-    if p.min_tokens:
-        out["min_new_tokens"] = p.min_tokens
-    if p.stop:
-        out["stop_sequences"] = p.stop
-    if not p.greedy:
-        out.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1)
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value, default = getattr(p, name), 1.0 if name == "repetition_penalty" else 0.0
-        if value != default:
-            out[name] = value
-    return out
+    def event_chunk(self, event: Any, params: SamplingParams) -> GenerationChunk | None:
+        token, finished = event["token"], event.get("finished")
+        return GenerationChunk(
+            text=token.get("text") or "", token_ids=[token["id"]] if token.get("id") is not None else [],
+            logprobs=[TokenLogprob(token.get("id") or -1, token.get("text") or "", token.get("logprob") or 0.0)]
+            if params.logprobs is not None else None,
+            finish_reason=_finish(event.get("finish_reason")) if finished else None,
+            usage=Usage(token.get("prompt_tokens", 0), token.get("count_output_tokens", 0)) if finished else None)
 
 
 def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
-
-
-def _raise(status: int, content: bytes) -> None:
-    raise_for_status(status, content, ERRORS, "message")

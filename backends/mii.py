@@ -17,7 +17,6 @@ from typing import Any
 from backends.base import (
     GenerationChunk,
     GenerationRequest,
-    InvalidRequestError,
     SamplingParams,
     UnavailableError,
     UpstreamError,
@@ -34,6 +33,9 @@ class MIIConfig(TextServerConfig):
 class MIIRestBackend(TextServerBackend):
     kind = "mii"
     health_path = "/healthz"
+    server_name = "DeepSpeed-MII"
+    unsupported = ("min_p", "seed", "logprobs", "stop_token_ids", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 
     def __init__(self, model_name: str, cfg: MIIConfig) -> None:
         super().__init__(model_name, cfg)
@@ -51,13 +53,7 @@ class MIIRestBackend(TextServerBackend):
 
 
 def mii_parameters(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling settings in MII's ``generate`` keywords; what MII cannot do is refused."""
-    for name, used in {"min_p": p.min_p != 0.0, "seed": p.seed is not None, "logprobs": p.logprobs is not None,
-                       "stop_token_ids": bool(p.stop_token_ids), "repetition_penalty": p.repetition_penalty != 1.0,
-                       "presence_penalty": p.presence_penalty != 0.0,
-                       "frequency_penalty": p.frequency_penalty != 0.0}.items():
-        if used:
-            raise InvalidRequestError(f"{name} is not supported by DeepSpeed-MII backends", param=name)
+    """Our sampling settings in MII's ``generate`` keywords (``MIIRestBackend.unsupported`` are refused first)."""
     out: dict[str, Any] = {"do_sample": not p.greedy, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
                            "min_new_tokens": p.min_tokens, "stop": p.stop}
     if p.max_tokens is not None:

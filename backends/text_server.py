@@ -1,24 +1,28 @@
-"""The base of adapters for servers with their own text-in/text-out API (TGI, LightLLM, MII)."""
+"""The base of adapters for servers with their own text-in/text-out API (TGI, LightLLM, MII), and of
+those among them with TGI's ``/generate`` API (TGI, LightLLM)."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from backends.base import (
     Backend,
+    BackendError,
     BackendInfo,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
+    SamplingParams,
     UpstreamError,
     Usage,
 )
-from backends.http import HTTPClient, TextServerConfig, transport_errors
+from backends.http import HTTPClient, TextServerConfig, json_body, raise_for_status, sse_events, transport_errors
 from backends.openai_http import OpenAIHTTPBackend
-from backends.stop_strings import StopStringFilter
+from backends.stopping import StopStringFilter
 from backends.tokenizer import Tokenizer
 
 
@@ -33,6 +37,8 @@ class TextServerBackend(Backend):
     kind = "text-server"
     openai_chat_path: str | None = None  # where the server's OpenAI routes live, if it has them ("/v1")
     health_path = "/health"
+    server_name = "text servers"  # in error messages
+    unsupported: tuple[str, ...] = ()  # SamplingParams fields the server has no equivalent for
 
     def __init__(self, model_name: str, cfg: TextServerConfig) -> None:
         self.name = f"{self.kind}:{cfg.url}"
@@ -62,6 +68,7 @@ class TextServerBackend(Backend):
                 async for chunk in chunks:
                     yield chunk
             return
+        refuse_unsupported(request.params, self.unsupported, self.server_name)
         prompt = self._prompt_text(request)
         stops = StopStringFilter(request.params.stop)
         generated = 0
@@ -97,3 +104,51 @@ class TextServerBackend(Backend):
     def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Raw chunks from the server: text deltas (stop strings not yet cut), then one chunk with
         ``finish_reason`` and, when the server reports them, token counts in ``usage``."""
+
+
+class GenerateAPIBackend(TextServerBackend):
+    """Servers with TGI's ``POST /generate`` and ``/generate_stream`` (``{"inputs", "parameters"}`` in, SSE
+    token events out): TGI and LightLLM. Subclasses map parameters, replies and events."""
+
+    errors: dict[int, type[BackendError]] = {}  # HTTP status -> our error
+    error_field = "error"  # where the error body keeps its message
+
+    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        body = {"inputs": prompt, "parameters": self.parameters(request.params)}
+        if not request.stream:
+            r = await self._http.call("POST", "/generate", json=body)
+            raise_for_status(r.status, r.content, self.errors, self.error_field)
+            yield self.reply_chunk(json_body(r.content), r.headers, request.params)
+            return
+        async with self._http.stream("POST", "/generate_stream", json=body) as r:
+            if r.status != 200:
+                raise_for_status(r.status, await r.read(), self.errors, self.error_field)
+            async for event in sse_events(r):
+                chunk = self.event_chunk(event, request.params)
+                if chunk is None:
+                    continue
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+    @abc.abstractmethod
+    def parameters(self, params: SamplingParams) -> dict[str, Any]:
+        """The ``parameters`` object of a request (``unsupported`` fields are refused before)."""
+
+    @abc.abstractmethod
+    def reply_chunk(self, reply: Any, headers: Mapping[str, str], params: SamplingParams) -> GenerationChunk:
+        """The one chunk of a ``/generate`` answer."""
+
+    @abc.abstractmethod
+    def event_chunk(self, event: Any, params: SamplingParams) -> GenerationChunk | None:
+        """The chunk of one ``/generate_stream`` event (None: skip it)."""
+
+
+_DEFAULTS = SamplingParams()
+
+
+def refuse_unsupported(params: SamplingParams, names: tuple[str, ...], server: str) -> None:
+    """A 400 naming the first of ``names`` that ``params`` sets to anything but its default."""
+    for name in names:
+        if getattr(params, name) != getattr(_DEFAULTS, name):
+            raise InvalidRequestError(f"{name} is not supported by {server} backends", param=name)

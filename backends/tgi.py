@@ -12,13 +12,12 @@ OpenAI route ``/v1/chat/completions`` or through a local chat template (``chat:`
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from typing import Any
 
 from backends.base import (
     BackendInfo,
     GenerationChunk,
-    GenerationRequest,
     InvalidRequestError,
     OverloadedError,
     SamplingParams,
@@ -27,18 +26,21 @@ from backends.base import (
     UpstreamError,
     Usage,
 )
-from backends.http import json_body, raise_for_status, sse_events
-from backends.text_server import TextServerBackend
+from backends.http import json_body, raise_for_status
+from backends.text_server import GenerateAPIBackend
 
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 ERRORS = {422: InvalidRequestError, 400: InvalidRequestError, 413: InvalidRequestError, 424: UpstreamError,
           429: OverloadedError, 500: UpstreamError, 503: UnavailableError}
 
 
-class TGIBackend(TextServerBackend):
+class TGIBackend(GenerateAPIBackend):
     kind = "tgi"
-
     openai_chat_path = "/v1"
+    server_name = "text-generation-inference"
+    # No TGI equivalent: TGI rejects what it cannot do rather than ignore it, and so do we.
+    unsupported = ("min_p", "min_tokens", "ignore_eos", "stop_token_ids", "presence_penalty")
+    errors = ERRORS
 
     async def info(self) -> BackendInfo:
         r = await self._http.call("GET", "/info", timeout_s=5.0)
@@ -55,69 +57,50 @@ class TGIBackend(TextServerBackend):
         _raise(r.status, r.content)
         return [t["id"] for t in json_body(r.content)]
 
-    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        body = {"inputs": prompt, "parameters": parameters(request.params)}
-        want_logprobs = request.params.logprobs is not None
-        if not request.stream:
-            r = await self._http.call("POST", "/generate", json=body)
-            _raise(r.status, r.content)
-            reply = json_body(r.content)
-            details = reply.get("details") or {}
-            tokens = details.get("tokens") or []
-            yield GenerationChunk(
-                text=reply.get("generated_text", ""), token_ids=[t["id"] for t in tokens],
-                logprobs=[_logprob(t, top) for t, top in zip(tokens, details.get("top_tokens") or [[]] * len(tokens))]
-                if want_logprobs else None,
-                finish_reason=_finish(details),
-                usage=Usage(int(r.headers.get("x-prompt-tokens", 0)), details.get("generated_tokens", len(tokens))))
-            return
-        async with self._http.stream("POST", "/generate_stream", json=body) as r:
-            if r.status != 200:
-                _raise(r.status, await r.read())
-            async for event in sse_events(r):
-                if not isinstance(event, dict):
-                    continue
-                if "error" in event:
-                    raise ERRORS.get(_status_of(event), UpstreamError)(f"upstream error mid-stream: {event['error']}")
-                token = event["token"]
-                text = "" if token.get("special") and request.params.skip_special_tokens else token["text"]
-                details = event.get("details")
-                yield GenerationChunk(
-                    text=text, token_ids=[token["id"]],
-                    logprobs=[_logprob(token, event.get("top_tokens") or [])] if want_logprobs else None,
-                    finish_reason=_finish(details) if details else None,
-                    usage=Usage(details.get("input_length", 0), details["generated_tokens"]) if details else None)
-                if details:
-                    return
+    def parameters(self, p: SamplingParams) -> dict[str, Any]:
+        """Our sampling settings in TGI's terms; TGI wants temperature > 0 and top_p < 1, so they are sent
+        only when they change something."""
+        out: dict[str, Any] = {"details": True, "do_sample": not p.greedy, "stop": p.stop}
+        if p.max_tokens is not None:
+            out["max_new_tokens"] = p.max_tokens
+        if not p.greedy:
+            if p.temperature != 1.0:
+                out["temperature"] = p.temperature
+            if p.top_p < 1.0:
+                out["top_p"] = p.top_p
+            if p.top_k > 0:
+                out["top_k"] = p.top_k
+        if p.seed is not None:
+            out["seed"] = p.seed
+        if p.repetition_penalty != 1.0:
+            out["repetition_penalty"] = p.repetition_penalty
+        if p.frequency_penalty != 0.0:
+            out["frequency_penalty"] = p.frequency_penalty
+        if p.logprobs:
+            out["top_n_tokens"] = p.logprobs
+        return out
 
+    def reply_chunk(self, reply: Any, headers: Mapping[str, str], params: SamplingParams) -> GenerationChunk:
+        details = reply.get("details") or {}
+        tokens = details.get("tokens") or []
+        tops = details.get("top_tokens") or [[]] * len(tokens)
+        return GenerationChunk(
+            text=reply.get("generated_text", ""), token_ids=[t["id"] for t in tokens],
+            logprobs=[_logprob(t, top) for t, top in zip(tokens, tops)] if params.logprobs is not None else None,
+            finish_reason=_finish(details),
+            usage=Usage(int(headers.get("x-prompt-tokens", 0)), details.get("generated_tokens", len(tokens))))
 
-def parameters(p: SamplingParams) -> dict[str, Any]:
-    """Our sampling settings in TGI's terms. TGI rejects what it cannot do rather than ignore it, and
-    so do we: min_p, min_tokens, ignore_eos, stop_token_ids and presence_penalty have no TGI equivalent."""
-    unsupported = {"min_p": p.min_p != 0.0, "min_tokens": p.min_tokens != 0, "ignore_eos": p.ignore_eos,
-                   "stop_token_ids": bool(p.stop_token_ids), "presence_penalty": p.presence_penalty != 0.0}
-    for name, used in unsupported.items():
-        if used:
-            raise InvalidRequestError(f"{name} is not supported by text-generation-inference backends", param=name)
-    out: dict[str, Any] = {"details": True, "do_sample": not p.greedy, "stop": p.stop}
-    if p.max_tokens is not None:
-        out["max_new_tokens"] = p.max_tokens
-    if not p.greedy:  # TGI wants temperature > 0 and top_p < 1: send them only when they change something
-        if p.temperature != 1.0:
-            out["temperature"] = p.temperature
-        if p.top_p < 1.0:
-            out["top_p"] = p.top_p
-        if p.top_k > 0:
-            out["top_k"] = p.top_k
-    if p.seed is not None:
-        out["seed"] = p.seed
-    if p.repetition_penalty != 1.0:
-        out["repetition_penalty"] = p.repetition_penalty
-    if p.frequency_penalty != 0.0:
-        out["frequency_penalty"] = p.frequency_penalty
-    if p.logprobs:
-        out["top_n_tokens"] = p.logprobs
-    return out
+    def event_chunk(self, event: Any, params: SamplingParams) -> GenerationChunk | None:
+        if not isinstance(event, dict):
+            return None
+        if "error" in event:
+            raise ERRORS.get(_status_of(event), UpstreamError)(f"upstream error mid-stream: {event['error']}")
+        token, details = event["token"], event.get("details")
+        return GenerationChunk(
+            text="" if token.get("special") and params.skip_special_tokens else token["text"], token_ids=[token["id"]],
+            logprobs=[_logprob(token, event.get("top_tokens") or [])] if params.logprobs is not None else None,
+            finish_reason=_finish(details) if details else None,
+            usage=Usage(details.get("input_length", 0), details["generated_tokens"]) if details else None)
 
 
 def _finish(details: dict) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from backends.base import InvalidRequestError
-from backends.stop_strings import StopStringFilter
 
 
 class Tokenizer:
@@ -58,26 +57,19 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output ids into text deltas, cutting at stop strings.
+    """Turns output ids into text deltas, one token at a time.
 
     The tokenizers library's ``DecodeStream`` does the work in Rust, one call per token (vLLM's
     ``FastIncrementalDetokenizer``), seeded with the prompt's last tokens so that the first delta's
-    leading space comes out right; it never emits half a UTF-8 character. Stop strings are never
-    streamed (``StopStringFilter``).
+    leading space comes out right; it never emits half a UTF-8 character.
     """
 
     _CONTEXT = 5  # prompt tokens the stream starts from
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._rust = tokenizer.hf.backend_tokenizer
         self._stream = DecodeStream(ids=list(prompt_ids[-self._CONTEXT:]), skip_special_tokens=skip_special_tokens)
-        self.stops = StopStringFilter(stop)
 
-    def add(self, token_id: int) -> tuple[str, bool]:
-        """Append one token; returns (text safe to emit now, whether a stop string was hit)."""
-        return self.stops.push(self._stream.step(self._rust, token_id) or "")
-
-    def flush(self) -> str:
-        """Whatever is held back, at the end of generation."""
-        return self.stops.flush()
+    def add(self, token_id: int) -> str:
+        """The text that ``token_id`` completes (empty while a character is incomplete)."""
+        return self._stream.step(self._rust, token_id) or ""

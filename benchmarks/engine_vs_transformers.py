@@ -85,7 +85,7 @@ def run_native(engine: LLMEngine, w: Workload) -> float:
     start = time.perf_counter()
     outs = engine.generate(w.prompts, params)
     elapsed = time.perf_counter() - start
-    assert [o.completion_tokens for o in outs] == w.outputs
+    assert [o.usage.completion_tokens for o in outs] == w.outputs
     return elapsed
 
 

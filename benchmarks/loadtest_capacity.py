@@ -135,7 +135,7 @@ def compare(title: str, url: str, model: str, specs: list[RequestSpec], warm_up:
             output_len: int) -> None:
     n = len(specs)
     target = Target(url, model)
-    cfg = RunConfig(request=RequestOptions(endpoint="chat"))
+    cfg = RunConfig(request=RequestOptions(endpoint="chat", ignore_eos=True))
     asyncio.run(run_target(target, warm_up, cfg))  # outside both measurements
     cpu = time.process_time()
     result = asyncio.run(run_target(target, specs, cfg))

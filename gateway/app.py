@@ -11,14 +11,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.base import GenerationRequest, InvalidRequestError
+from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError
 from gateway import errors
 from gateway import response_models as schemas
 from gateway.access_log import RequestIdMiddleware
 from gateway.auth import KeyRing, bearer_token
 from gateway.errors import BodyTooLarge, ClientDisconnected, sse_error_event
+from gateway.info import server_info
 from gateway.limits import KeyLimits
-from gateway.openai_format import DONE, Folded, ResponseWriter
+from gateway.openai_format import DONE, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.service import ANONYMOUS, Caller, Gateway
 
@@ -158,6 +159,11 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     async def metrics(_: None = Depends(metrics_auth)):
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/info", tags=["operations"], responses=schemas.ok(schemas.ServerInfo))
+    async def info_route(_: Caller = Depends(authenticate)):
+        """The server's devices and, per model, each deployment's kind and engine settings (no secrets)."""
+        return server_info(gateway)
+
     @app.get("/admin/backends", tags=["operations"], responses=schemas.ok(schemas.Backends))
     async def admin_backends(_: None = Depends(authenticate_admin)):
         return {"models": [{"name": g.name, "routing": g.strategy, "fallbacks": g.fallbacks, "deployments": [
@@ -171,10 +177,10 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
 
 
 async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
-    folded = Folded()
+    folded = GenerationChunk()
     async with contextlib.aclosing(stream) as chunks:
         async for chunk in chunks:
-            folded.add(chunk)
+            folded.extend(chunk)
     return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
 
 

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from backends.native.planner import GPUS
 from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
@@ -21,12 +22,29 @@ app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine 
 app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
 log = logging.getLogger("burstgate")
 
-_SERVE_ENV = "BURSTGATE_SERVE_ARGS"
+_SERVE_ENV = "BURSTGATE_SERVE_ARGS"  # hands the parsed options to uvicorn worker processes
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"burstgate {version('burstgate')}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
-    """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""  # hands the parsed options to uvicorn worker processes
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
+    """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""
+
+
+class LogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
 
 
 class Dtype(str, Enum):
@@ -41,19 +59,21 @@ class BackendKind(str, Enum):
     deepspeed = "deepspeed"
 
 
-def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None, name: str | None,
-                   backend: BackendKind = BackendKind.native, device: str | None = None) -> Settings:
+def build_settings(config: Path | None, model: Path | None, name: str | None = None,
+                   backend: BackendKind = BackendKind.native, **engine_options: str | int | None) -> Settings:
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
-    models with that one model served in-process by that engine. ``--dtype`` and ``--device`` apply to
-    every in-process deployment, and are refused where none would use them."""
+    models with that one model served in-process by that engine. ``engine_options`` (``dtype``, ``device``,
+    ``tensor_parallel_size``: None when not given) apply to every in-process deployment, and are refused
+    where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
         raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
                                  param_hint="--model")
-    if device is not None and backend is not BackendKind.native:
-        raise typer.BadParameter("--device applies to the native engine only", param_hint="--device")
-    options = {key: value for key, value in (("dtype", dtype.value if dtype else None), ("device", device))
-               if value is not None}
+    options = {key: value for key, value in engine_options.items() if value is not None}
+    native_only = sorted(set(options) - {"dtype"})
+    if native_only and backend is not BackendKind.native:
+        raise typer.BadParameter(f"{', '.join(_flag(k) for k in native_only)} apply to the native engine only",
+                                 param_hint=_flag(native_only[0]))
     try:
         if model is not None or backend is not BackendKind.native:
             deployment = {"kind": backend.value, "model_path": str(model) if model else None, **options}
@@ -62,15 +82,19 @@ def build_settings(config: Path | None, model: Path | None, dtype: Dtype | None,
         elif options:
             settings.models = [_with_engine_options(route, options) for route in settings.routes()]
     except ValidationError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--dtype/--device") from exc
+        raise typer.BadParameter(str(exc), param_hint=", ".join(map(_flag, options))) from exc
     return settings
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
 
 
 def _with_engine_options(route: ModelRoute, options: dict[str, str]) -> ModelRoute:
     """``route`` with ``options`` set on its native deployments (validated again); an error if it has none."""
     if not any(d.kind == "native" for d in route.deployments):
-        raise typer.BadParameter(f"model {route.name!r} has no native deployment to apply "
-                                 f"{', '.join('--' + k for k in options)} to", param_hint="--dtype/--device")
+        flags = ", ".join(map(_flag, options))
+        raise typer.BadParameter(f"model {route.name!r} has no native deployment to apply {flags} to", param_hint=flags)
     return ModelRoute.model_validate({**route.model_dump(), "deployments": [
         {**d.model_dump(), **options} if d.kind == "native" else d.model_dump() for d in route.deployments]})
 
@@ -81,27 +105,29 @@ def app_from_env():
     from gateway.service import Gateway
 
     args = json.loads(os.environ[_SERVE_ENV])
-    configure_logging(args[6], args[7])  # a spawned worker starts with no logging configuration
-    settings = build_settings(*(Path(a) if a else None for a in args[:2]),
-                              Dtype(args[2]) if args[2] else None, args[3], BackendKind(args[4]), args[5])
+    configure_logging(args[5], args[6])  # a spawned worker starts with no logging configuration
+    settings = build_settings(*(Path(a) if a else None for a in args[:2]), args[2], BackendKind(args[3]), **args[4])
     return create_app(Gateway.from_settings(settings))
 
 
 @app.command()
 def serve(
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8000,
     config: Annotated[Path | None, typer.Option(help="YAML config (models, deployments, keys, limits).",
-                                                exists=True, dir_okay=False)] = None,
-    model: Annotated[Path | None, typer.Option(help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Public name for --model.")] = None,
+                                                exists=True, dir_okay=False, metavar="FILE")] = None,
+    model: Annotated[Path | None, typer.Option(metavar="PATH",
+                                               help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(metavar="NAME", help="Public name for --model.")] = None,
     backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).")] = BackendKind.native,
     dtype: Annotated[Dtype | None, typer.Option(help="In-process engine dtype (auto: bf16 where the hardware "
                                                 "computes in it, else float32).")] = None,
-    device: Annotated[str | None, typer.Option(help="Native engine device: auto (CUDA when present), cpu, cuda or "
-                                               "cuda:N.")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="Worker processes (each loads its own engines).")] = 1,
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "info",
+    device: Annotated[str | None, typer.Option(metavar="DEVICE", help="Native engine device: auto (CUDA when "
+                                               "present), cpu, cuda or cuda:N.")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
+                                                             "model across N processes (GPUs on CUDA).")] = None,
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
+    log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
                                                   "included), with the request's X-Request-Id.")] = "text",
 ) -> None:
@@ -110,15 +136,21 @@ def serve(
 
     from gateway.http_server import uvicorn_options
 
+    log_level = log_level.value
     configure_logging(log_level, log_format)
-    settings = build_settings(config, model, dtype, served_model_name, backend, device)
+    engine_options = {"dtype": dtype.value if dtype else None, "device": device,
+                      "tensor_parallel_size": tensor_parallel_size}
+    try:
+        settings = build_settings(config, model, served_model_name, backend, **engine_options)
+    except ValueError as exc:  # an invalid config file or environment override
+        raise typer.BadParameter(str(exc), param_hint="--config / BURSTGATE_*") from None
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
     options = uvicorn_options(settings.server)
     if workers > 1:
         os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
-                                             dtype.value if dtype else None, served_model_name, backend.value,
-                                             device, log_level, log_format])
+                                             served_model_name, backend.value, engine_options, log_level,
+                                             log_format])
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
                     log_level=log_level, **options)
         return
@@ -127,6 +159,63 @@ def serve(
 
     uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level, **options)
 
+
+
+GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)  # typer choices
+
+
+class PlanDtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@app.command()
+def plan(
+    model: Annotated[Path, typer.Option(exists=True, metavar="PATH",
+                                        help="HF directory, .gguf or config.json (only the config is read).")],
+    gpu: Annotated[GpuName, typer.Option(help="GPU type (datasheet memory, bandwidth and bf16 peak).")],
+    dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.")] = PlanDtype.bfloat16,
+    tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="GPUs per model; default: "
+                                                             "the fewest that fit.")] = None,
+    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per sequence.")] = 512,
+    output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens per sequence.")] = 128,
+    gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, metavar="X",
+                                                          help="Share of each GPU the engine takes.")] = 0.9,
+    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="The engine's concurrency limit.")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Memory and roofline speed of the native engine for a model on a GPU type: what fits where."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from backends.native.planner import plan as make_plan
+    from backends.native.weights import open_checkpoint
+
+    try:
+        config = open_checkpoint(model).config
+        result = make_plan(config, gpu.value, dtype.value, tensor_parallel_size, input_len, output_len,
+                           gpu_memory_utilization, max_num_seqs=max_num_seqs)
+    except (ValueError, KeyError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model / --tensor-parallel-size") from None
+    if as_json:
+        typer.echo(json.dumps(result.as_dict(), indent=2))
+        return
+    table = Table(title=f"{model.name} on {GPUS[gpu.value].name}, {dtype.value}, ({input_len} in, {output_len} out)")
+    for column in ("", "value"):
+        table.add_column(column)
+    rows = [("tensor parallel size", str(result.tensor_parallel_size)), ("fits", "yes" if result.fits else "no"),
+            ("weights per GPU", f"{result.weights_per_gpu_gib:.2f} GiB"),
+            ("KV bytes per token per GPU", f"{result.kv_bytes_per_token_per_gpu:,}"),
+            ("KV cache", f"{result.kv_tokens:,} tokens, {result.sequences:,} sequences"),
+            ("decode, batch 1 (roofline)", f"{result.decode_tok_s_batch_1:,.0f} tok/s"),
+            (f"decode, {min(result.sequences, max_num_seqs)} sequences (roofline)",
+             f"{result.decode_tok_s_at_sequences:,.0f} tok/s")]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    if result.why:
+        typer.echo(result.why)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
 
 from backends.base import GenerationChunk, TokenLogprob, Usage
 
@@ -45,25 +44,6 @@ def completion_logprobs(lps: list[TokenLogprob] | None, text_offset: int = 0) ->
             "top_logprobs": [{t: l for _, t, l in lp.top} for lp in lps], "text_offset": offsets}
 
 
-@dataclass
-class Folded:
-    """A whole stream folded into one answer (non-streaming replies)."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    logprobs: list[TokenLogprob] | None = None
-    token_ids: list[int] = field(default_factory=list)
-
-    def add(self, chunk: GenerationChunk) -> None:
-        self.text += chunk.text
-        self.token_ids += chunk.token_ids
-        if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + chunk.logprobs
-        if chunk.finish_reason is not None:
-            self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
-
-
 class ResponseWriter:
     """Builds the response objects of one request, chat or text-completion flavoured."""
 
@@ -73,7 +53,8 @@ class ResponseWriter:
         self.object = "chat.completion" if chat else "text_completion"
         self._text_offset = 0
 
-    def full(self, f: Folded) -> dict:
+    def full(self, f: GenerationChunk) -> dict:
+        """The whole answer from a stream folded into one chunk (``GenerationChunk.extend``)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": f.text},
                       "logprobs": chat_logprobs(f.logprobs), "finish_reason": _finish(f.finish_reason)}

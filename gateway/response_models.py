@@ -152,6 +152,34 @@ class Backends(BaseModel):
     models: list[ModelState]
 
 
+class Device(BaseModel):
+    kind: str
+    name: str
+    count: int
+    memory_bytes: int
+
+
+class DeploymentInfo(BaseModel):
+    name: str
+    kind: str
+    settings: dict[str, Any]
+    engine: dict[str, Any] | None = None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    routing: str
+    deployments: list[DeploymentInfo]
+
+
+class ServerInfo(BaseModel):
+    server: Literal["burstgate"]
+    version: str | None
+    hardware: str
+    devices: list[Device]
+    models: list[ModelInfo]
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries: each status answered with ``ErrorResponse``."""
     return {status: {"model": ErrorResponse} for status in statuses}

@@ -20,7 +20,7 @@ import json
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from backends.base import Backend, GenerationRequest, UnavailableError
 from gateway.breaker import CircuitBreaker
@@ -43,6 +43,7 @@ class Deployment:
     total_timeout_s: float | None = None
     healthy: bool = True
     ttft_ewma_s: float | None = None  # None until the first answer
+    config: Any = None  # the configuration it was built from (reported by GET /info), if any
 
     @property
     def outstanding(self) -> int:

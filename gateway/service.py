@@ -73,7 +73,7 @@ class Gateway:
                     cfg.name or f"{route.name}/{cfg.kind}-{i}", backend, cfg.weight,
                     ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
                     CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
-                    cfg.first_token_timeout_s, cfg.total_timeout_s))
+                    cfg.first_token_timeout_s, cfg.total_timeout_s, config=cfg))
             groups.append(ModelGroup(route.name, deployments, route.routing, route.fallbacks, route.prefix_chars))
         return cls(settings, groups)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
+import secrets
+from dataclasses import replace
+from datetime import datetime
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -12,18 +15,30 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from backends.base import BackendError
 from loadtest import report, store, sysmon
 from loadtest.client import RequestOptions, Target
 from loadtest.extras import MissingExtraError, require
-from loadtest.runner import RunConfig, TargetResult, result_to_json, run_target
-from loadtest.schedule import Schedule
-from loadtest.workload import RequestSpec, from_file, load_tokenizer, synthetic
+from loadtest.runner import RunConfig, TargetResult, result_to_json
+from loadtest.schedule import Schedule, check
+from loadtest.session import Session, Workload, run_session, workload_key
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
 
+PAPER = {"requests": 1000, "input_len": "512", "schedule": Schedule.burst}  # arXiv 2311.03687
 
-def _parse_range(text: str, name: str) -> int | tuple[int, int]:
+
+class Endpoint(str, Enum):
+    completions = "completions"
+    chat = "chat"
+
+
+class Preset(str, Enum):
+    paper = "paper"
+
+
+def _length(text: str, name: str) -> int | tuple[int, int]:
     """``512`` or ``32:512`` (inclusive range)."""
     try:
         if ":" in text:
@@ -39,64 +54,119 @@ def _parse_range(text: str, name: str) -> int | tuple[int, int]:
         raise typer.BadParameter(f"{text!r}: give a positive integer or LOW:HIGH", param_hint=name) from None
 
 
-def _parse_slos(items: list[str]) -> dict[str, float]:
+def _numbers(text: str, name: str, kind: type) -> list:
+    """A comma list of positive numbers, e.g. ``1,4,16``."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+        if not values or any(not v > 0 for v in values):
+            raise ValueError
+        return values
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give positive {kind.__name__}s separated by commas, e.g. 1,4,16",
+                                 param_hint=name) from None
+
+
+def _slos(items: list[str]) -> dict[str, float]:
     slos = {}
     for item in items:
         key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not value:
-            raise typer.BadParameter(f"{item!r}: use ttft:MS, tpot:MS or e2el:MS", param_hint="--goodput")
+        try:
+            if key not in ("ttft", "tpot", "e2el") or float(value) < 0:
+                raise ValueError
+        except ValueError:
+            raise typer.BadParameter(f"{item!r}: use ttft:MS, tpot:MS or e2el:MS", param_hint="--goodput") from None
         slos[key] = float(value)
     return slos
 
 
-def _workload(dataset: Path | None, tokenizer_name: str | None, requests: int, input_len: str, output_len: str,
-              prefix_len: int, num_prefixes: int, seed: int) -> tuple[list[RequestSpec], str]:
-    tokenizer = load_tokenizer(tokenizer_name)
-    tok_name = Path(tokenizer_name).name if tokenizer_name else "SmolLM2-135M-Instruct"
-    out = _parse_range(output_len, "--output-len")
-    if dataset is not None:
-        specs = from_file(dataset, tokenizer, requests, out if isinstance(out, int) else None, seed)
-        return specs, f"dataset={dataset.name} n={len(specs)} out={output_len} tokenizer={tok_name}"
-    specs = synthetic(tokenizer, requests, _parse_range(input_len, "--input-len"), out, seed, prefix_len, num_prefixes)
-    desc = f"synthetic in={input_len} out={output_len} n={requests} tokenizer={tok_name}"
-    if prefix_len:
-        desc += f" prefix={prefix_len}x{num_prefixes}"
-    return specs, desc
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user set ``name`` (typer vendors its own click: compare the source by name)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _paper_conflicts(ctx: typer.Context, output_len: str) -> list[str]:
+    """Options that would change the paper's workload (1000 x 512 tokens, burst, fixed output, ignore_eos)."""
+    names = ("requests", "input_len", "schedule", "rate", "burstiness", "concurrency", "sweep_concurrency",
+             "sweep_rate", "duration", "dataset", "prefix_len", "num_prefixes")
+    bad = [f"--{n.replace('_', '-')}" for n in names if _given(ctx, n) and ctx.params[n] != PAPER.get(n, object())]
+    if ":" in output_len:
+        bad.append("--output-len LOW:HIGH (the paper's output length is fixed)")
+    if ctx.params["ignore_eos"] is False:
+        bad.append("--no-ignore-eos (the paper's outputs are of fixed length)")
+    return bad
+
+
+def _unused(ctx: typer.Context) -> str | None:
+    """Options the rest of the command line would leave without effect (nothing accepted and ignored)."""
+    p = ctx.params
+    if p["dataset"] is not None and (_given(ctx, "input_len") or p["prefix_len"]):
+        return "--input-len and --prefix-len shape synthetic prompts, not a --dataset's"
+    if _given(ctx, "num_prefixes") and not p["prefix_len"]:
+        return "--num-prefixes needs --prefix-len"
+    if p["sweep_rate"] and p["rate"] is not None:
+        return "--sweep-rate sets the rate of each point: drop --rate"
+    if p["sweep_concurrency"] and p["concurrency"] is not None:
+        return "--sweep-concurrency sets the concurrency of each point: drop --concurrency"
+    closed_loop = p["concurrency"] or p["sweep_concurrency"]
+    if p["duration"] and p["schedule"] is Schedule.burst and not p["sweep_rate"] and not closed_loop:
+        return "--duration stops later sends, but a burst sends everything at t=0: add --concurrency or a rate"
+    return None
 
 
 @app.command()
 def run(
-    url: Annotated[str | None, typer.Option(help="Base URL shared by every --model.")] = None,
-    model: Annotated[list[str], typer.Option(help="Model name at --url; repeat to compare several.")] = [],
-    target: Annotated[list[str], typer.Option(help="Another target as URL#MODEL; repeatable.")] = [],
-    api_key: Annotated[str | None, typer.Option(envvar="BURSTGATE_LOADTEST_API_KEY", help="Bearer key.")] = None,
-    requests: Annotated[int, typer.Option(min=1, help="Requests per target (per sweep point).")] = 100,
-    input_len: Annotated[str, typer.Option(help="Prompt tokens: N or LOW:HIGH.")] = "512",
-    output_len: Annotated[str, typer.Option(help="max_tokens: N or LOW:HIGH.")] = "128",
-    preset: Annotated[str | None, typer.Option(help="'paper': 1000 prompts x 512 tokens, burst (arXiv 2311.03687).")] = None,
-    dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="JSONL, ShareGPT or Alpaca JSON.")] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Local tokenizer dir or .gguf (default: embedded SmolLM2).")] = None,
-    prefix_len: Annotated[int, typer.Option(min=0, help="Shared prefix tokens (prefix-caching workloads).")] = 0,
-    num_prefixes: Annotated[int, typer.Option(min=1, help="Distinct shared prefixes.")] = 1,
+    ctx: typer.Context,
+    url: Annotated[str | None, typer.Option(metavar="URL", help="Base URL shared by every --model.")] = None,
+    model: Annotated[list[str], typer.Option(metavar="NAME", help="Model name at --url; repeat to compare several.")] = [],
+    hardware: Annotated[str | None, typer.Option(
+        metavar="TEXT", help="The --url server's hardware, for the leaderboard (a burstgate server reports its own).")] = None,
+    target: Annotated[list[str], typer.Option(
+        metavar="URL#MODEL[@HARDWARE]", help="A target; repeatable. HARDWARE declares the server's, for servers "
+        "without burstgate's GET /info.")] = [],
+    api_key: Annotated[str | None, typer.Option(envvar="BURSTGATE_LOADTEST_API_KEY", metavar="KEY",
+                                                help="Bearer key sent to every target.")] = None,
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests per target and sweep point.")] = 100,
+    input_len: Annotated[str, typer.Option(metavar="N|LOW:HIGH",
+                                           help="Prompt tokens as the target counts them (chat template included).")] = "512",
+    output_len: Annotated[str, typer.Option(metavar="N|LOW:HIGH", help="max_tokens per request.")] = "128",
+    preset: Annotated[Preset | None, typer.Option(
+        help="paper: arXiv 2311.03687's 1000 prompts x 512 tokens in one burst, fixed output; refuses options "
+        "that would change it.")] = None,
+    dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
+                                                 help="Prompts from JSONL, ShareGPT or Alpaca JSON.")] = None,
+    tokenizer: Annotated[list[str], typer.Option(
+        metavar="PATH", help="Local tokenizer (HF dir or .gguf) for targets without /tokenize and for output "
+        "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).")] = [],
+    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Shared prefix tokens (prefix-caching workloads).")] = 0,
+    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Distinct shared prefixes.")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.")] = Schedule.burst,
-    rate: Annotated[float | None, typer.Option(help="Requests/s for poisson, gamma and constant.")] = None,
-    burstiness: Annotated[float, typer.Option(help="Gamma shape (1 = Poisson).")] = 1.0,
-    concurrency: Annotated[int | None, typer.Option(min=1, help="Closed loop: at most N in flight.")] = None,
-    sweep_concurrency: Annotated[str | None, typer.Option(help="Comma list of concurrencies to sweep.")] = None,
-    sweep_rate: Annotated[str | None, typer.Option(help="Comma list of rates to sweep.")] = None,
-    duration: Annotated[float | None, typer.Option(help="Stop sending after this many seconds.")] = None,
-    warmup: Annotated[int, typer.Option(min=0, help="Untimed requests before each run.")] = 0,
-    endpoint: Annotated[str, typer.Option(help="completions or chat.")] = "completions",
-    temperature: Annotated[float, typer.Option()] = 0.0,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (vLLM extension).")] = True,
-    timeout: Annotated[float, typer.Option(help="Per-request timeout (s).")] = 600.0,
-    goodput: Annotated[list[str], typer.Option(help="SLO for goodput, e.g. ttft:500 (ms); repeatable.")] = [],
-    workers: Annotated[int, typer.Option(min=1, help="Client processes (when one cannot keep up).")] = 1,
-    server_pid: Annotated[int | None, typer.Option(help="Sample this local server process's CPU/RSS.")] = None,
-    seed: Annotated[int, typer.Option()] = 0,
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("results/latest"),
-    db: Annotated[Path, typer.Option(help="SQLite results store.")] = store.DEFAULT_DB,
-    plots: Annotated[bool, typer.Option(help="Write PNG plots.")] = True,
+    rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.")] = None,
+    burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).")] = 1.0,
+    concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight.")] = None,
+    sweep_concurrency: Annotated[str | None, typer.Option(metavar="N,N,...", help="Concurrencies to sweep.")] = None,
+    sweep_rate: Annotated[str | None, typer.Option(metavar="R,R,...", help="Rates to sweep (poisson unless --schedule).")] = None,
+    duration: Annotated[float | None, typer.Option(min=0.001, metavar="S", help="Stop sending after this many seconds.")] = None,
+    warmup: Annotated[int, typer.Option(min=0, metavar="N",
+                                        help="Untimed requests (other prompts, same shape) before each measurement.")] = 4,
+    endpoint: Annotated[Endpoint, typer.Option(help="OpenAI route to load.")] = Endpoint.completions,
+    temperature: Annotated[float | None, typer.Option(
+        metavar="T", help="Sampling temperature sent with every request (default: none sent, the server decides).")] = None,
+    ignore_eos: Annotated[bool | None, typer.Option(
+        "--ignore-eos/--no-ignore-eos", show_default="on for synthetic prompts, off for datasets",
+        help="Ask for exactly max_tokens (vLLM extension).")] = None,
+    timeout: Annotated[float, typer.Option(min=0.001, metavar="S", help="Per-request timeout.")] = 600.0,
+    goodput: Annotated[list[str], typer.Option(metavar="KEY:MS", help="SLO for goodput (ttft, tpot or e2el in ms); "
+                                                                      "repeatable.")] = [],
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Client processes (when one cannot keep up).")] = 1,
+    server_pid: Annotated[int | None, typer.Option(metavar="PID", help="Sample this local server process's CPU/RSS.")] = None,
+    seed: Annotated[int | None, typer.Option(
+        metavar="N", help="Makes prompts and schedules reproducible (default: fresh prompts every run).")] = None,
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Root of the output folders: each run writes a new "
+                                                          "DIR/<run id>/.")] = Path("results/loadtest"),
+    db: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE",
+                                            help="SQLite results store (default: the user's data dir).")] = None,
+    plots: Annotated[bool, typer.Option(help="Write PNG plots and report.html.")] = True,
 ) -> None:
     """Run the same workload against every target, one after another, and compare them."""
     try:  # before the run, not after it
@@ -106,141 +176,171 @@ def run(
     except MissingExtraError as exc:
         console.print(f"error: {exc}", style="red", markup=False, soft_wrap=True)  # [loadtest] is no markup
         raise typer.Exit(2) from None
-    targets = [Target(url, m, api_key) for m in model] if url else []
-    if model and not url:
-        raise typer.BadParameter("--model needs --url", param_hint="--model")
+    targets = _targets(url, model, hardware, target, api_key, tokenizer)
+    if unused := _unused(ctx):
+        raise typer.BadParameter(unused, param_hint="options")
+    if preset is Preset.paper:
+        if conflicts := _paper_conflicts(ctx, output_len):
+            raise typer.BadParameter(f"{', '.join(conflicts)} would change the paper's workload (1000 prompts x 512 "
+                                     "tokens, one burst, fixed output); drop them or drop --preset",
+                                     param_hint="--preset")
+        requests, input_len, schedule = PAPER["requests"], PAPER["input_len"], PAPER["schedule"]
+    workload = Workload(requests, _length(input_len, "--input-len"), _length(output_len, "--output-len"), dataset,
+                        prefix_len, num_prefixes, paper=preset is Preset.paper)
+    if ignore_eos is None:
+        ignore_eos = dataset is None  # as vLLM: forced for random prompts only
     try:
-        targets += [Target.parse(t, api_key) for t in target]
+        check(schedule, rate, burstiness)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--schedule / --rate / --burstiness") from None
+    base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency, duration_s=duration,
+                     slos_ms=_slos(goodput), workers=workers, server_pid=server_pid,
+                     request=RequestOptions(endpoint.value, temperature, ignore_eos, timeout))
+    session = Session(targets, workload, _sweep_points(base, sweep_concurrency, sweep_rate), warmup, seed)
+    try:
+        results = _run(session)
+    except (ValueError, BackendError) as exc:  # a workload the targets cannot take (lengths, templates, files)
+        raise typer.BadParameter(str(exc), param_hint="--input-len / --dataset / --tokenizer") from None
+    _save(results, out, db, plots)
+
+
+def _targets(url, models, hardware, specs, api_key, tokenizers) -> list[Target]:
+    if models and not url:
+        raise typer.BadParameter("--model needs --url", param_hint="--model")
+    if hardware and not url:
+        raise typer.BadParameter("--hardware declares the --url server's; for --target use URL#MODEL@HARDWARE",
+                                 param_hint="--hardware")
+    targets = [Target(url, m, api_key, hardware=hardware) for m in models] if url else []
+    try:
+        targets += [Target.parse(t, api_key) for t in specs]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--target") from None
     if not targets:
-        raise typer.BadParameter("give --url with --model, or --target URL#MODEL", param_hint="--model")
-    if endpoint not in ("completions", "chat"):
-        raise typer.BadParameter("completions or chat", param_hint="--endpoint")
-    if preset == "paper":
-        requests, input_len, schedule = 1000, "512", Schedule.burst
-    elif preset is not None:
-        raise typer.BadParameter("the only preset is 'paper'", param_hint="--preset")
-    try:
-        specs, workload = _workload(dataset, tokenizer, requests, input_len, output_len, prefix_len, num_prefixes, seed)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--dataset / --input-len / --prefix-len") from None
-    base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency,
-                     duration_s=duration, warmup=warmup, seed=seed, slos_ms=_parse_slos(goodput), workers=workers,
-                     server_pid=server_pid, request=RequestOptions(endpoint, temperature, ignore_eos, timeout))
-    points = _sweep_points(base, sweep_concurrency, sweep_rate)
-    results = asyncio.run(_run_all(targets, specs, points))
-    summaries = [r.summary for r in results]
-    for r in results:
-        for w in r.warnings:
-            console.print(f"[yellow]warning ({r.summary['label']}): {w}")
-    report.console_table(summaries, console)
-    report.write_files(out, results)
-    group = uuid.uuid4().hex[:12]
-    with store.connect(db) as conn:
-        for r in results:
-            store.save(conn, group, workload + _point_desc(r.config), r.summary, result_to_json(r))
-    if plots:
-        _plot(out, results)
-    console.print(f"results: {out}/summary.json  (stored as run {group} in {db})")
+        raise typer.BadParameter("give --url with --model, or --target URL#MODEL", param_hint="--target")
+    if len(tokenizers) not in (0, 1, len(targets)):
+        raise typer.BadParameter(f"give one --tokenizer for all targets or one per target ({len(targets)})",
+                                 param_hint="--tokenizer")
+    for i, t in enumerate(targets):
+        t.tokenizer = tokenizers[i if len(tokenizers) > 1 else 0] if tokenizers else None
+    return targets
 
 
 def _sweep_points(base: RunConfig, sweep_concurrency: str | None, sweep_rate: str | None) -> list[RunConfig]:
-    from dataclasses import replace
-
+    if sweep_concurrency and sweep_rate:
+        raise typer.BadParameter("sweep one thing at a time", param_hint="--sweep-concurrency / --sweep-rate")
     if sweep_concurrency:
-        return [replace(base, concurrency=int(c)) for c in sweep_concurrency.split(",")]
+        return [replace(base, concurrency=c) for c in _numbers(sweep_concurrency, "--sweep-concurrency", int)]
     if sweep_rate:
         schedule = base.schedule if base.schedule is not Schedule.burst else Schedule.poisson
-        return [replace(base, schedule=schedule, rate=float(r)) for r in sweep_rate.split(",")]
+        return [replace(base, schedule=schedule, rate=r) for r in _numbers(sweep_rate, "--sweep-rate", float)]
     return [base]
 
 
-def _point_desc(cfg: RunConfig) -> str:
-    desc = f" schedule={cfg.schedule.value}"
-    if cfg.rate:
-        desc += f" rate={cfg.rate:g}"
-    if cfg.concurrency:
-        desc += f" concurrency={cfg.concurrency}"
-    return desc
-
-
-async def _run_all(targets: list[Target], specs: list[RequestSpec], points: list[RunConfig]) -> list[TargetResult]:
-    results = []
+def _run(session: Session) -> list[TargetResult]:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as progress:
-        for t in targets:
-            for cfg in points:
-                task = progress.add_task(f"{t.label}{_point_desc(cfg)}", total=len(specs), status="")
-                failed = 0
 
-                def done(record, task=task):
-                    nonlocal failed
-                    failed += record is not None and not record.ok
-                    progress.update(task, advance=1, status=f"failed {failed}" if failed else "")
+        def track(description: str, total: int):
+            task = progress.add_task(description, total=total, status="")
+            failed = 0
 
-                results.append(await run_target(t, specs, cfg, done))
-    return results
+            def done(record) -> None:
+                nonlocal failed
+                failed += record is not None and not record.ok
+                progress.update(task, advance=1, status=f"failed {failed}" if failed else "")
+
+            return done
+
+        return asyncio.run(run_session(session, track, lambda w: console.print(f"[yellow]warning: {w}")))
 
 
-def _plot(out: Path, results: list[TargetResult]) -> None:
-    labels = [r.summary["label"] + _point_desc(r.config) for r in results]
-    report.plot(out, labels, [[rec.to_json() for rec in r.records] for r in results], [r.summary for r in results],
-                [[s.__dict__ for s in r.samples] for r in results])
+def _save(results: list[TargetResult], out: Path, db: Path | None, plots: bool) -> None:
+    run_id = f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+    folder = out / run_id  # a new folder per run: nothing stale from an earlier run
+    measured = [report.from_result(r) for r in results]
+    for m in measured:
+        for w in m.warnings:
+            console.print(f"[yellow]warning ({m.name}): {w}")
+    report.console_table([r.summary for r in results], console)
+    report.write_files(folder, results, measured, plots)
+    path = db or store.default_db()
+    with store.connect(path) as conn:
+        for r in results:
+            store.save(conn, run_id, workload_key(r.summary, r.config), r.summary, result_to_json(r),
+                       [rec.to_json() for rec in r.records])
+    console.print(f"results: {folder}/ (report.html, summary.json, vllm/*.json); stored as run {run_id} in {path}")
 
 
 @app.command("report")
 def report_cmd(
-    run_group: Annotated[str | None, typer.Argument(help="Run id (default: the latest).")] = None,
-    db: Annotated[Path, typer.Option(exists=True, dir_okay=False)] = store.DEFAULT_DB,
-    out: Annotated[Path | None, typer.Option(help="Also re-write summary.json and plots here.")] = None,
+    run_id: Annotated[str | None, typer.Argument(metavar="[RUN_ID]", help="Run id (default: the latest).")] = None,
+    db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
+                                            help="SQLite results store (default: the user's data dir).")] = None,
+    out: Annotated[Path | None, typer.Option(metavar="DIR", help="Also write summary.json, plots and report.html "
+                                                                 "here.")] = None,
 ) -> None:
-    """Re-render a stored run."""
-    with store.connect(db) as conn:
+    """Show a stored run again, and re-render its files."""
+    with _store(db) as conn:
         groups = store.run_groups(conn)
         if not groups:
             raise typer.BadParameter("the store holds no runs", param_hint="--db")
-        group = run_group or groups[-1]["run_group"]
+        group = run_id or groups[-1]["run_group"]
         rows = store.load_group(conn, group)
     if not rows:
-        raise typer.BadParameter(f"no run {group!r}; stored runs: {', '.join(g['run_group'] for g in groups)}")
-    console.print(f"run {group} on {rows[0]['hardware']}: {rows[0]['workload']}")
-    summaries = [r["summary"] for r in rows]
-    report.console_table(summaries, console)
+        raise typer.BadParameter(f"no run {group!r}; stored runs: {', '.join(g['run_group'] for g in groups)}",
+                                 param_hint="RUN_ID")
+    console.print(f"run {group}: {rows[0]['summary'].get('workload')}")
+    report.console_table([r["summary"] for r in rows], console)
     if out is not None:
+        measured = [report.from_stored(r) for r in rows]
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summaries, indent=2))
+        report.write_summaries(out, [m.summary for m in measured])
+        report.write_report(out, measured, f"burstgate load test {group}")
+        console.print(f"wrote {out}/report.html")
 
 
 @app.command()
 def leaderboard(
-    db: Annotated[Path, typer.Option(exists=True, dir_okay=False)] = store.DEFAULT_DB,
-    slo_ttft_ms: Annotated[float | None, typer.Option(help="Only runs whose p99 TTFT meets this.")] = None,
+    db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
+                                            help="SQLite results store (default: the user's data dir).")] = None,
+    slo_ttft_ms: Annotated[float | None, typer.Option(metavar="MS", help="Only runs whose p99 TTFT meets this.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Fastest target per hardware and workload, by throughput and by p99 TTFT."""
+    """One winner per (server hardware, model, workload), by throughput and by p99 TTFT; runs with failures never win."""
     from rich.table import Table
 
-    with store.connect(db) as conn:
+    with _store(db) as conn:
         board = store.leaderboard(conn, slo_ttft_ms)
     if json_out:
         print(json.dumps(board, indent=2))
         return
     table = Table(title="burstgate leaderboard")
-    for col in ("hardware", "workload", "runs", "fastest by throughput", "output tok/s", "fastest by p99 TTFT",
-                "p99 TTFT (ms)"):
+    for col in ("hardware", "model", "workload", "runs (with failures)", "fastest by throughput", "output tok/s",
+                "fastest by p99 TTFT", "p99 TTFT (ms)"):
         table.add_column(col)
     for row in board:
-        table.add_row(row["hardware"], row["workload"], str(row["runs"]), row["fastest_by_throughput"],
-                      f"{row['output_throughput']:.1f}", row["fastest_by_p99_ttft"] or "-",
+        table.add_row(row["hardware"], row["model"], row["workload"], f"{row['runs']} ({row['runs_with_failures']})",
+                      row["fastest_by_throughput"] or "- (every run failed requests)",
+                      f"{row['output_throughput']:.1f}" if row["output_throughput"] is not None else "-",
+                      row["fastest_by_p99_ttft"] or "-",
                       f"{row['p99_ttft_ms']:.1f}" if row["p99_ttft_ms"] is not None else "-")
     console.print(table)
 
 
+def _store(db: Path | None):
+    try:
+        return store.connect(db)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--db") from None
+
+
 @app.command("mock-server")
 def mock_server(
-    host: str = "127.0.0.1", port: int = 8100, model: str = "mock",
-    ttft_ms: Annotated[float, typer.Option(min=0)] = 0.0, itl_ms: Annotated[float, typer.Option(min=0)] = 0.0,
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8100,
+    model: Annotated[str, typer.Option(metavar="NAME", help="Model name it answers to.")] = "mock",
+    ttft_ms: Annotated[float, typer.Option(min=0, metavar="MS", help="Delay before the first token.")] = 0.0,
+    itl_ms: Annotated[float, typer.Option(min=0, metavar="MS", help="Delay before every later token.")] = 0.0,
 ) -> None:
     """An instant OpenAI-compatible server, to measure the tester's or a gateway's own overhead."""
     import uvicorn

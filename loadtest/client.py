@@ -19,12 +19,15 @@ from loadtest.workload import RequestSpec
 
 @dataclass
 class Target:
-    """A base URL (the server root, without /v1) and a model name, optionally with an API key."""
+    """A base URL (the server root, without /v1) and a model name, optionally with an API key, the
+    server's hardware as declared by the user, and a local tokenizer standing in for the server's."""
 
     url: str
     model: str
     api_key: str | None = None
     label: str = ""
+    hardware: str | None = None  # declared; a burstgate server reports its own on GET /info
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/").removesuffix("/v1")
@@ -32,18 +35,19 @@ class Target:
 
     @classmethod
     def parse(cls, spec: str, api_key: str | None = None) -> Target:
-        """``URL#MODEL`` as given to ``--target``."""
-        url, sep, model = spec.rpartition("#")
-        if not sep or not url or not model:
-            raise ValueError(f"target {spec!r} must look like URL#MODEL")
-        return cls(url, model, api_key)
+        """``URL#MODEL`` or ``URL#MODEL@HARDWARE`` as given to ``--target``."""
+        url, sep, rest = spec.rpartition("#")
+        model, at, hardware = rest.partition("@")
+        if not sep or not url or not model or (at and not hardware.strip()):
+            raise ValueError(f"target {spec!r} must look like URL#MODEL or URL#MODEL@HARDWARE")
+        return cls(url, model, api_key, hardware=hardware.strip() or None)
 
 
 @dataclass
 class RequestOptions:
     endpoint: str = "completions"  # or "chat"
-    temperature: float = 0.0
-    ignore_eos: bool = True
+    temperature: float | None = None  # None: the server's default (vLLM's bench sends none either)
+    ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
     timeout_s: float = 600.0  # whole request
     stall_timeout_s: float = 120.0  # longest silence between bytes
     extra_body: dict = field(default_factory=dict)
@@ -58,9 +62,22 @@ def new_client(options: RequestOptions) -> aiohttp.ClientSession:
 async def send(client: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord,
                options: RequestOptions, clock=time.perf_counter) -> RequestRecord:
     """Stream one request into ``record`` (never raises: failures are recorded with their kind)."""
+    record.planned_prompt_tokens = record.prompt_tokens = spec.prompt_tokens
+    record.max_tokens, record.fixed_output = spec.max_tokens, options.ignore_eos
+    record.actual_send = clock()
+    try:
+        return await _stream(client, target, spec, record, options, clock)
+    finally:
+        record.end = clock()
+
+
+async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSpec, record: RequestRecord,
+                  options: RequestOptions, clock) -> RequestRecord:
     chat = options.endpoint == "chat"
-    body = {"model": target.model, "max_tokens": spec.max_tokens, "stream": True, "temperature": options.temperature,
+    body = {"model": target.model, "max_tokens": spec.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **options.extra_body}
+    if options.temperature is not None:
+        body["temperature"] = options.temperature
     if options.ignore_eos:
         body["ignore_eos"] = True
     if chat:
@@ -69,16 +86,14 @@ async def send(client: aiohttp.ClientSession, target: Target, spec: RequestSpec,
         body["prompt"] = spec.prompt
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    record.prompt_tokens = spec.prompt_tokens
-    record.actual_send = clock()
-    chunks = 0
+    text: list[str] = []
     finished = False
     try:
         async with client.post(target.url + path, json=body, headers=headers) as r:
             record.status = r.status
             if r.status != 200:
-                text = (await r.read()).decode("utf-8", "replace")
-                return _fail(record, f"http_{r.status}", text[:500])
+                body_text = (await r.read()).decode("utf-8", "replace")
+                return _fail(record, f"http_{r.status}", body_text[:500])
             async for line in r.content:  # one SSE line at a time
                 if not line.startswith(b"data:"):
                     continue
@@ -90,18 +105,14 @@ async def send(client: aiohttp.ClientSession, target: Target, spec: RequestSpec,
                 if "error" in event:
                     return _fail(record, "error_event", str(event["error"])[:500])
                 choices = event.get("choices") or []
-                if choices:
-                    if record.first_response is None:
-                        record.first_response = now
+                if choices:  # every event with choices times the stream, even with empty text (vLLM)
+                    record.chunk_times.append(now)
                     c = choices[0]
-                    text = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                    if text:
-                        record.chunk_times.append(now)
-                        chunks += 1
+                    piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    text.append(piece or "")
                     finished = finished or c.get("finish_reason") is not None
-                usage = event.get("usage")
-                if usage:
-                    record.output_tokens = usage.get("completion_tokens", 0)
+                elif usage := event.get("usage"):
+                    record.output_tokens = usage.get("completion_tokens") or 0
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
         return _fail(record, "timeout", f"{type(exc).__name__} after {clock() - record.actual_send:.1f}s")
@@ -109,10 +120,12 @@ async def send(client: aiohttp.ClientSession, target: Target, spec: RequestSpec,
         return _fail(record, "connection", repr(exc)[:500])
     except ValueError as exc:
         return _fail(record, "malformed", f"unparseable SSE event: {exc}"[:500])
+    finally:
+        record.generated_text = "".join(text)
+    if not record.chunk_times:
+        return _fail(record, "no_choices", "the stream carried no event with choices")
     if not finished:
         return _fail(record, "incomplete", "the stream ended without a finish_reason")
-    if record.output_tokens == 0:
-        record.output_tokens = chunks  # no usage from the server: one token per chunk
     record.ok = True
     return record
 

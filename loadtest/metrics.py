@@ -1,17 +1,30 @@
-"""Per-request records and their aggregates, with vLLM's ``vllm bench serve`` definitions.
+"""Per-request records and their aggregates, with ``vllm bench serve``'s definitions
+(vllm/benchmarks/serve.py ``calculate_metrics``, vllm/benchmarks/lib/endpoint_request_func.py).
 
-- TTFT: first chunk that carries choices − actual send time.
-- ITL: gaps between successive token-bearing chunks, pooled over requests (per chunk, not per token).
-- E2EL: last token-bearing chunk − actual send time (a trailing usage-only chunk does not count).
+- Success: HTTP 200 and at least one SSE event that carries ``choices``.
+- TTFT: first event with choices − actual send time (a role-only or empty-text chunk counts).
+- ITL: gaps between successive events with choices, pooled over requests (per chunk, not per token).
+- E2EL: last event with choices − actual send time (a trailing usage-only event does not count).
 - TPOT: (E2EL − TTFT) / (output_tokens − 1), only for requests with more than one output token.
-- Throughputs divide by the run's duration: first scheduled send to last completion.
-- Goodput: requests meeting every given SLO (ms) per second of duration.
-Failed requests are counted by kind and excluded from every latency statistic.
+- Output tokens: the server's ``usage.completion_tokens``; without usage, the target's tokenizer
+  re-counts the generated text (vLLM's fallback; it may count a few tokens more than were generated).
+- Prompt tokens: the server's ``usage.prompt_tokens`` when it reports it, else the planned count.
+- Duration: first scheduled send to the moment every request has ended (answered, failed or timed out),
+  as vLLM times ``gather`` of all requests. Throughputs and goodput divide by it.
+- ``max_output_tokens_per_s``: the busiest one-second bucket (from the first send) of chunks with
+  choices, counted one token per chunk as vLLM does.
+- Goodput: requests meeting every given SLO (ms) per second; TPOT counts as 0 for one-token outputs.
+Failed requests are counted by kind and excluded from every latency and token statistic.
+
+Deliberate differences from vLLM's bench, both stricter: a stream carrying an in-band error event, or
+ending without any ``finish_reason``, is a failure (``error_event``, ``incomplete``) even after tokens
+arrived; vLLM counts both as successes, so a server that cuts answers short would look faster.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -26,15 +39,20 @@ class RequestRecord:
     index: int
     target_send: float  # when the schedule said to send
     actual_send: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each token-bearing chunk
-    first_response: float | None = None  # first chunk with choices (even if its text is empty)
-    prompt_tokens: int = 0
+    end: float = 0.0  # when the request ended, whichever way: last byte, error or timeout
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each event with choices
+    generated_text: str = ""
+    planned_prompt_tokens: int = 0  # what the workload built, as the target counts it
+    prompt_tokens: int = 0  # the server's usage.prompt_tokens, else the planned count
+    max_tokens: int = 0
+    fixed_output: bool = False  # ignore_eos was sent: the server must return exactly max_tokens
     output_tokens: int = 0
+    output_tokens_counted: str = "usage"  # or "tokenizer" (no usage from the server)
     ok: bool = False
     error: str | None = None
     error_kind: str | None = None
     status: int | None = None
-    queue_time: float = 0.0  # closed-loop waiting for a free client slot
+    queue_time: float = 0.0  # closed loop: waiting for a free client slot
 
     @property
     def send_lag(self) -> float:
@@ -42,8 +60,7 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
-        first = self.first_response if self.first_response is not None else (self.chunk_times or [None])[0]
-        return None if first is None else first - self.actual_send
+        return self.chunk_times[0] - self.actual_send if self.chunk_times else None
 
     @property
     def e2el(self) -> float | None:
@@ -59,22 +76,43 @@ class RequestRecord:
             return None
         return (self.e2el - self.ttft) / (self.output_tokens - 1)
 
+    @property
+    def short_output(self) -> bool:
+        """A fixed-output request (ignore_eos) answered with fewer tokens than asked: the target ignored it."""
+        return self.ok and self.fixed_output and self.output_tokens < self.max_tokens
+
+    @property
+    def prompt_mismatch(self) -> bool:
+        return self.ok and self.prompt_tokens != self.planned_prompt_tokens
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(ttft=self.ttft, e2el=self.e2el, tpot=self.tpot, send_lag=self.send_lag)
+        d.update(ttft=self.ttft, e2el=self.e2el, tpot=self.tpot, send_lag=self.send_lag,
+                 short_output=self.short_output)
         return d
 
+    @classmethod
+    def from_json(cls, data: dict) -> RequestRecord:
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in data.items() if k in names})
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    """mean/median/std/pXX of ``values_s`` (seconds), reported in ms under vLLM's key names."""
+
+def count_missing_output_tokens(records: list[RequestRecord], count: Callable[[str], int]) -> None:
+    """vLLM's fallback for servers that send no usage: re-count the generated text with the tokenizer."""
+    for r in records:
+        if r.ok and not r.output_tokens:
+            r.output_tokens, r.output_tokens_counted = count(r.generated_text), "tokenizer"
+
+
+def stats(name: str, values_s: list[float]) -> dict[str, float]:
+    """mean/median/std/pXX of ``values_s`` (seconds), in ms under vLLM's key names (0 when empty, as vLLM)."""
     out: dict[str, float] = {}
-    arr = np.asarray(values_s, dtype=float) * 1000.0
-    empty = arr.size == 0
-    out[f"mean_{name}_ms"] = 0.0 if empty else float(arr.mean())
-    out[f"median_{name}_ms"] = 0.0 if empty else float(np.median(arr))
-    out[f"std_{name}_ms"] = 0.0 if empty else float(arr.std())
+    arr = np.asarray(values_s or [0.0], dtype=float) * 1000.0
+    out[f"mean_{name}_ms"] = float(arr.mean())
+    out[f"median_{name}_ms"] = float(np.median(arr))
+    out[f"std_{name}_ms"] = float(arr.std())
     for p in PERCENTILES:
-        out[f"p{p}_{name}_ms"] = 0.0 if empty else float(np.percentile(arr, p))
+        out[f"p{p}_{name}_ms"] = float(np.percentile(arr, p))
     return out
 
 
@@ -93,18 +131,23 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(good) / duration,
+        "request_goodput": sum(meets_slos(r, slos_ms) for r in good) / duration if slos_ms else None,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "max_output_tokens_per_s": max_output_tokens_per_s(good),
         "max_concurrent_requests": peak_concurrency(good),
+        "short_outputs": sum(r.short_output for r in records),
+        "prompt_tokens_mismatched": sum(r.prompt_mismatch for r in records),
+        "output_tokens_counted_by_tokenizer": sum(r.ok and r.output_tokens_counted == "tokenizer" for r in records),
     }
-    summary.update(_stats("ttft", [r.ttft for r in good if r.ttft is not None]))
-    summary.update(_stats("tpot", [r.tpot for r in good if r.tpot is not None]))
-    summary.update(_stats("itl", [gap for r in good for gap in r.itls]))
-    summary.update(_stats("e2el", [r.e2el for r in good if r.e2el is not None]))
-    summary.update(_stats("send_lag", [r.send_lag for r in records]))
-    summary.update(_stats("queue_time", [r.queue_time for r in records]))
+    summary.update(stats("ttft", [r.ttft for r in good]))
+    summary.update(stats("tpot", [r.tpot for r in good if r.tpot is not None]))
+    summary.update(stats("itl", [gap for r in good for gap in r.itls]))
+    summary.update(stats("e2el", [r.e2el for r in good]))
+    summary.update(stats("send_lag", [r.send_lag for r in records]))
+    summary.update(stats("client_queue_time", [r.queue_time for r in good]))
+    summary.update(stats("e2el_including_client_queue", [r.e2el + r.queue_time for r in good]))
     if slos_ms:
-        summary["request_goodput"] = sum(meets_slos(r, slos_ms) for r in good) / duration
         summary["slos_ms"] = dict(slos_ms)
     return summary
 
@@ -122,11 +165,24 @@ def meets_slos(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def peak_concurrency(records: list[RequestRecord]) -> int:
-    """Most requests in flight at once (sweep over send/finish events)."""
+    """Most requests in flight at once (sweep over send/finish events; a finish precedes a send at a tie)."""
     events = sorted([(r.actual_send, 1) for r in records if r.e2el is not None] +
-                    [(r.actual_send + r.e2el, -1) for r in records if r.e2el is not None], key=lambda e: (e[0], e[1]))
+                    [(r.actual_send + r.e2el, -1) for r in records if r.e2el is not None])
     live = peak = 0
     for _, delta in events:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def max_output_tokens_per_s(records: list[RequestRecord]) -> float:
+    """Chunks with choices in the busiest whole second counted from the first send (vLLM's definition)."""
+    if not records:
+        return 0.0
+    start = min(r.actual_send for r in records)
+    end = max(r.chunk_times[-1] for r in records)
+    buckets = np.zeros(int(np.ceil(end - start)) + 1)
+    for r in records:
+        for t in r.chunk_times:
+            buckets[int(t - start)] += 1
+    return float(buckets.max())

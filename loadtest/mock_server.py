@@ -1,7 +1,9 @@
 """An OpenAI-compatible server that answers instantly (or with set delays), for measuring the tools.
 
 It lets a tester find the load tester's own capacity and a gateway's own overhead with no model in the
-way. Output is ``max_tokens`` copies of one token; usage counts whitespace-separated prompt words.
+way. Output is ``max_tokens`` copies of one token. Prompts are counted with a real tokenizer (the
+embedded SmolLM2's by default), for usage and vLLM's ``/tokenize`` and ``/detokenize`` routes: chat
+prompts through its chat template, completion prompts with its special tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +21,20 @@ from starlette.routing import Route
 TOKEN = " tok"
 
 
-def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0) -> Starlette:
-    """``ttft_s`` delays the first token and ``itl_s`` every later one (both 0: instant)."""
+def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0, tokenizer=None) -> Starlette:
+    """``ttft_s`` delays the first token and ``itl_s`` every later one (both 0: instant); ``tokenizer``
+    (default: the embedded SmolLM2's) counts prompts."""
+    from loadtest.workload import load_tokenizer
+
+    tokenizer = tokenizer or load_tokenizer(None)
+
+    def count(body: dict, chat: bool) -> int:
+        if chat:
+            return len(tokenizer.apply_chat_template(body["messages"]))
+        prompt = body["prompt"]
+        if isinstance(prompt, list):  # token ids
+            return len(prompt)
+        return len(tokenizer.encode(str(prompt), add_special_tokens=body.get("add_special_tokens", True)))
 
     async def completions(request: Request) -> Response:
         return await _generate(request, chat=False)
@@ -32,11 +46,9 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
         try:
             body = json.loads(await request.body())
             n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-            prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        except (ValueError, KeyError, TypeError, IndexError):
-            return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error",
-                                           "param": None, "code": None}}, status_code=400)
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(str(prompt).split())
+            prompt_tokens = count(body, chat)
+        except Exception:  # unparseable JSON, missing fields, a chat template refusing the messages
+            return _bad_request()
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         rid, created = f"mock-{uuid.uuid4().hex[:12]}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -75,9 +87,22 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
                                                           "owned_by": "mock", "max_model_len": 1 << 20}]})
 
     async def tokenize(request: Request) -> Response:
-        body = json.loads(await request.body())
-        tokens = list(range(len(str(body.get("prompt", "")).split())))
+        try:
+            body = json.loads(await request.body())
+            if "messages" in body:
+                tokens = tokenizer.apply_chat_template(body["messages"])
+            else:
+                tokens = tokenizer.encode(str(body["prompt"]), add_special_tokens=body.get("add_special_tokens", True))
+        except Exception:
+            return _bad_request()
         return JSONResponse({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            text = tokenizer.decode(json.loads(await request.body())["tokens"], skip_special_tokens=False)
+        except Exception:
+            return _bad_request()
+        return JSONResponse({"prompt": text})
 
     async def health(_: Request) -> Response:
         return Response(status_code=200)
@@ -87,5 +112,11 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", models),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health),
     ])
+
+
+def _bad_request() -> JSONResponse:
+    return JSONResponse({"error": {"message": "bad request", "type": "invalid_request_error", "param": None,
+                                   "code": None}}, status_code=400)

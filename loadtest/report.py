@@ -1,143 +1,328 @@
-"""Outputs of a run: console table, summary.json / CSV / per-request JSONL, and PNG plots."""
+"""Outputs of a run, all in the run's own folder: console table, summary.json / CSV, one vLLM-format result
+file per measurement, per-request JSONL, PNG plots and one self-contained HTML report (plots inlined)."""
 
 from __future__ import annotations
 
+import base64
 import csv
+import html
+import io
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from loadtest.extras import require
+from loadtest.metrics import RequestRecord
 from loadtest.runner import TargetResult, result_to_json
+from loadtest.vllm_result import file_name, vllm_result
 
 PLOTTING = "plotting (--plots)"
 
-CSV_FIELDS = ["label", "url", "model", "completed", "failed", "duration", "request_throughput", "output_throughput",
-              "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-              "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-              "median_e2el_ms", "p99_e2el_ms", "max_concurrent_requests", "p99_send_lag_ms", "request_goodput"]
+CSV_FIELDS = ["label", "hardware", "url", "model_id", "workload", "completed", "failed", "duration",
+              "request_throughput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+              "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+              "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+              "max_concurrent_requests", "p99_send_lag_ms", "request_goodput", "short_outputs",
+              "prompt_tokens_mismatched"]
 
 
+@dataclass
+class Measured:
+    """One target at one point, as the reports need it (from a fresh run or from the results store)."""
+
+    name: str  # target label, plus the sweep point
+    target: str  # target label alone: a sweep draws one line per target
+    summary: dict
+    records: list[RequestRecord]
+    samples: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def from_result(result: TargetResult) -> Measured:
+    s = result.summary
+    return Measured(s["label"] + s["point"], s["label"], s, result.records, [x.__dict__ for x in result.samples],
+                    result.warnings)
+
+
+def from_stored(row: dict) -> Measured:
+    summary = row["summary"]
+    return Measured(summary["label"] + summary["point"], summary["label"], summary,
+                    [RequestRecord.from_json(r) for r in row["records"]], row["details"].get("samples", []),
+                    row["details"].get("warnings", []))
+
+
+# ------------------------------------------------------------------------------------------ console
 def console_table(summaries: list[dict], console: Console | None = None) -> None:
-    """One column per target, side by side."""
+    """One column per measurement, side by side."""
     console = console or Console()
     table = Table(title="burstgate load test", show_lines=False)
     table.add_column("metric")
     for s in summaries:
-        table.add_column(s.get("label", s["model"]), justify="right")
-    rows = [("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
+        table.add_column(s["label"], justify="right")
+    for name, fmt in _rows(summaries):
+        table.add_row(name, *(fmt(s) for s in summaries))
+    console.print(table)
+    if len(summaries) > 1 and summaries[0]["output_throughput"]:
+        base = summaries[0]
+        ratios = ", ".join(f"{s['label']}: {s['output_throughput'] / base['output_throughput']:.2f}x"
+                           for s in summaries[1:])
+        console.print(f"output throughput relative to {base['label']}: {ratios}")
+
+
+def _rows(summaries: list[dict]) -> list[tuple]:
+    rows = [("hardware", lambda s: s.get("hardware", "?")),
+            ("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
             ("duration (s)", lambda s: f"{s['duration']:.2f}"),
             ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
-            ("output tok/s", lambda s: f"{s['output_throughput']:.1f}"),
-            ("total tok/s", lambda s: f"{s['total_token_throughput']:.1f}")]
+            ("output tok/s (peak 1 s)", lambda s: f"{s['output_throughput']:.1f} ({s['max_output_tokens_per_s']:.0f})"),
+            ("total tok/s", lambda s: f"{s['total_token_throughput']:.1f}"),
+            ("input / output tokens", lambda s: f"{s['total_input_tokens']} / {s['total_output_tokens']}")]
     for metric in ("ttft", "tpot", "itl", "e2el"):
         rows.append((f"{metric.upper()} mean/p50/p99 (ms)",
                      lambda s, m=metric: f"{s[f'mean_{m}_ms']:.1f} / {s[f'median_{m}_ms']:.1f} / {s[f'p99_{m}_ms']:.1f}"))
-    rows.append(("peak concurrency", lambda s: str(s["max_concurrent_requests"])))
-    rows.append(("p99 send lag (ms)", lambda s: f"{s['p99_send_lag_ms']:.2f}"))
-    if any("request_goodput" in s for s in summaries):
-        rows.append(("goodput (req/s)", lambda s: f"{s.get('request_goodput', 0):.2f}"))
-    for name, fmt in rows:
-        table.add_row(name, *(fmt(s) for s in summaries))
-    console.print(table)
-    if len(summaries) > 1:
-        base = summaries[0]
-        ratios = ", ".join(f"{s.get('label')}: {s['output_throughput'] / base['output_throughput']:.2f}x"
-                           for s in summaries[1:] if base["output_throughput"])
-        console.print(f"output throughput relative to {base.get('label')}: {ratios}")
+    rows += [("peak concurrency", lambda s: str(s["max_concurrent_requests"])),
+             ("p99 send lag (ms)", lambda s: f"{s['p99_send_lag_ms']:.2f}"),
+             ("warm-up requests", lambda s: str(s.get("warmup_requests", 0))),
+             ("prompts", lambda s: f"{s.get('prompts', '?')} (seed {s.get('prompt_seed', '?')})")]
+    if any(s.get("request_goodput") is not None for s in summaries):
+        rows.append(("goodput (req/s)", lambda s: f"{s['request_goodput'] or 0:.2f}"))
+    if any(s.get("short_outputs") for s in summaries):
+        rows.append(("short outputs (ignore_eos ignored)", lambda s: str(s["short_outputs"])))
+    return rows
 
 
-def write_files(out: Path, results: list[TargetResult]) -> None:
-    """summary.json (list, one object per target), summary.csv, requests-<i>.jsonl, details-<i>.json."""
-    out.mkdir(parents=True, exist_ok=True)
-    summaries = [r.summary for r in results]
-    (out / "summary.json").write_text(json.dumps(summaries, indent=2))
-    with (out / "summary.csv").open("w", newline="") as f:
+# ------------------------------------------------------------------------------------------- files
+def write_files(folder: Path, results: list[TargetResult], measured: list[Measured], plots: bool = True) -> None:
+    """The run folder's files: summary.json (a list, one object per measurement), summary.csv, vllm/*.json
+    (vLLM's result schema), requests-<i>.jsonl, details-<i>.json, and with ``plots`` PNGs and report.html."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_summaries(folder, [m.summary for m in measured])
+    (folder / "vllm").mkdir(exist_ok=True)
+    for i, (r, m) in enumerate(zip(results, measured)):
+        (folder / "vllm" / file_name(r.summary, i)).write_text(json.dumps(vllm_result(r.summary, r.records)))
+        with (folder / f"requests-{i}.jsonl").open("w") as f:
+            for rec in r.records:
+                f.write(json.dumps({"target": m.name, **rec.to_json()}) + "\n")
+        (folder / f"details-{i}.json").write_text(json.dumps(result_to_json(r), indent=2))
+    if plots:
+        write_report(folder, measured)
+
+
+def write_summaries(folder: Path, summaries: list[dict]) -> None:
+    (folder / "summary.json").write_text(json.dumps(summaries, indent=2))
+    with (folder / "summary.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(summaries)
-    for i, r in enumerate(results):
-        with (out / f"requests-{i}.jsonl").open("w") as f:
-            for rec in r.records:
-                f.write(json.dumps({"target": r.summary["label"], **rec.to_json()}) + "\n")
-        (out / f"details-{i}.json").write_text(json.dumps(result_to_json(r), indent=2))
 
 
-def plot(out: Path, labels: list[str], per_target_records: list[list[dict]], summaries: list[dict],
-         samples: list[list[dict]]) -> list[Path]:
-    """Latency CDFs, box plots, throughput bars, sweep curve and resource use over time (PNG)."""
-    require("matplotlib", PLOTTING).use("Agg")
+def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test") -> Path:
+    """Every plot as PNG, and report.html holding the same plots inlined with the numbers and settings."""
+    folder.mkdir(parents=True, exist_ok=True)
+    figures = plots(measured)
+    images = {}
+    for name, fig in figures.items():
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=100)
+        (folder / f"{name}.png").write_bytes(buf.getvalue())
+        images[name] = base64.b64encode(buf.getvalue()).decode()
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    out.mkdir(parents=True, exist_ok=True)
-    files = []
+    for fig in figures.values():
+        plt.close(fig)
+    path = folder / "report.html"
+    path.write_text(_html(title, measured, images))
+    return path
 
-    def values(records, key):
-        return [r[key] * 1000 for r in records if r.get("ok") and r.get(key) is not None]
+
+# ------------------------------------------------------------------------------------------- plots
+def plots(measured: list[Measured]) -> dict:
+    """name → matplotlib figure; every distribution keeps its tail (outliers drawn)."""
+    require("matplotlib", PLOTTING).use("Agg")
+    figs = {"latency_cdf": _cdfs(measured), "latency_box": _boxes(measured), "throughput": _bars(measured),
+            "throughput_over_time": _over_time(measured), "ttft_over_time": _ttft_over_time(measured),
+            "itl_distribution": _itl_histogram(measured)}
+    if any(sum(m.target == t for m in measured) > 1 for t in {m.target for m in measured}):
+        figs["sweep"] = _sweep(measured)
+    if any(m.samples for m in measured):
+        figs["resources"] = _resources(measured)
+    return figs
+
+
+def _ms(m: Measured, key: str) -> list[float]:
+    return [getattr(r, key) * 1000 for r in m.records if r.ok and getattr(r, key) is not None]
+
+
+def _cdfs(measured):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key in zip(axes, ("ttft", "tpot", "e2el")):
-        for label, recs in zip(labels, per_target_records):
-            v = np.sort(values(recs, key))
+        for m in measured:
+            v = np.sort(_ms(m, key))
             if v.size:
-                ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label)
+                ax.plot(v, np.arange(1, v.size + 1) / v.size, label=m.name)
         ax.set_xlabel(f"{key.upper()} (ms)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle("latency CDFs")
-    files.append(_save(fig, out / "latency_cdf.png"))
+    return fig
+
+
+def _boxes(measured):
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, key in zip(axes, ("ttft", "tpot", "e2el")):
-        ax.boxplot([values(recs, key) or [0] for recs in per_target_records], tick_labels=labels, showfliers=False)
+        ax.boxplot([_ms(m, key) or [0] for m in measured], tick_labels=[m.name for m in measured], showfliers=True)
         ax.set_ylabel(f"{key.upper()} (ms)")
-        ax.tick_params(axis="x", rotation=20)
-    fig.suptitle("latency per target")
-    files.append(_save(fig, out / "latency_box.png"))
-
-    fig, ax = plt.subplots(figsize=(6 + len(labels), 4))
-    ax.bar(labels, [s["output_throughput"] for s in summaries])
-    ax.set_ylabel("output tokens/s")
-    ax.tick_params(axis="x", rotation=20)
-    files.append(_save(fig, out / "throughput.png"))
-
-    if len(summaries) > 1:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([s["p99_e2el_ms"] for s in summaries], [s["output_throughput"] for s in summaries], "o-")
-        for s, label in zip(summaries, labels):
-            ax.annotate(label, (s["p99_e2el_ms"], s["output_throughput"]), fontsize=7)
-        ax.set_xlabel("p99 E2E latency (ms)")
-        ax.set_ylabel("output tokens/s")
-        ax.set_title("throughput vs p99 latency")
-        files.append(_save(fig, out / "sweep.png"))
-
-    if any(samples):
-        fig, (cpu_ax, mem_ax) = plt.subplots(1, 2, figsize=(12, 4))
-        for label, ss in zip(labels, samples):
-            t = [s["t"] for s in ss]
-            if any(s["cpu_percent"] is not None for s in ss):
-                cpu_ax.plot(t, [s["cpu_percent"] or 0 for s in ss], label=f"{label} CPU %")
-            if any(s["gpu_memory_used"] for s in ss):
-                mem_ax.plot(t, [sum(s["gpu_memory_used"]) / 2**30 for s in ss], label=f"{label} GPU GiB")
-            elif any(s["rss_bytes"] for s in ss):
-                mem_ax.plot(t, [(s["rss_bytes"] or 0) / 2**30 for s in ss], label=f"{label} RSS GiB")
-        cpu_ax.set_xlabel("s")
-        mem_ax.set_xlabel("s")
-        cpu_ax.legend(fontsize=8)
-        mem_ax.legend(fontsize=8)
-        fig.suptitle("server resources over time")
-        files.append(_save(fig, out / "resources.png"))
-    return files
+        ax.tick_params(axis="x", rotation=20, labelsize=7)
+    fig.suptitle("latency per measurement (whiskers 1.5 IQR, every outlier drawn)")
+    return fig
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _bars(measured):
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
-    return path
+    fig, ax = plt.subplots(figsize=(6 + len(measured), 4))
+    ax.bar([m.name for m in measured], [m.summary["output_throughput"] for m in measured])
+    ax.set_ylabel("output tokens/s")
+    ax.tick_params(axis="x", rotation=20, labelsize=7)
+    return fig
+
+
+def _sweep(measured):
+    """One line per target through its own sweep points."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for target in dict.fromkeys(m.target for m in measured):
+        points = [m for m in measured if m.target == target]
+        ax.plot([m.summary["p99_e2el_ms"] for m in points], [m.summary["output_throughput"] for m in points], "o-",
+                label=target)
+        for m in points:
+            ax.annotate(m.name[len(target):].strip(), (m.summary["p99_e2el_ms"], m.summary["output_throughput"]),
+                        fontsize=6)
+    ax.set_xlabel("p99 E2E latency (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("sweep: throughput vs p99 latency, per target")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def token_rate_over_time(records: list[RequestRecord], bins: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """(bin starts in s from the first send, output tokens/s per bin): each request's output tokens spread
+    over the chunks that carried them."""
+    good = [r for r in records if r.ok and r.chunk_times]
+    if not good:
+        return np.zeros(0), np.zeros(0)
+    start = min(r.actual_send for r in good)
+    end = max(r.chunk_times[-1] for r in good)
+    edges = np.linspace(0.0, max(end - start, 1e-3), bins + 1)
+    times = np.concatenate([np.asarray(r.chunk_times) - start for r in good])
+    weights = np.concatenate([np.full(len(r.chunk_times), r.output_tokens / len(r.chunk_times)) for r in good])
+    counts, _ = np.histogram(times, bins=edges, weights=weights)
+    return edges[:-1], counts / np.diff(edges)
+
+
+def _over_time(measured):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for m in measured:
+        t, rate = token_rate_over_time(m.records)
+        ax.step(t, rate, where="post", label=m.name)
+    ax.set_xlabel("s since the first send")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput over time")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _ttft_over_time(measured):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for m in measured:
+        good = [r for r in m.records if r.ok]
+        if good:
+            start = min(r.actual_send for r in m.records)
+            ax.scatter([r.actual_send - start for r in good], [r.ttft * 1000 for r in good], s=8, label=m.name)
+    ax.set_xlabel("send time (s since the first send)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT over time")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _itl_histogram(measured):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    itls = {m.name: [gap * 1000 for r in m.records if r.ok for gap in r.itls] for m in measured}
+    values = [v for vs in itls.values() for v in vs]
+    if values:  # shared bins, at least 1 µs wide in all (equal gaps leave no range to divide)
+        edges = np.linspace(min(values), max(max(values), min(values) + 1e-3), 61)
+        for name, vs in itls.items():
+            if vs:
+                ax.hist(vs, bins=edges, histtype="step", label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("chunks")
+    ax.set_title("ITL distribution (log count: the tail stays visible)")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _resources(measured):
+    import matplotlib.pyplot as plt
+
+    fig, (cpu_ax, mem_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for m in measured:
+        ss = m.samples
+        t = [s["t"] for s in ss]
+        if any(s["cpu_percent"] is not None for s in ss):
+            cpu_ax.plot(t, [s["cpu_percent"] or 0 for s in ss], label=f"{m.name} CPU %")
+        if any(s["gpu_memory_used"] for s in ss):
+            mem_ax.plot(t, [sum(s["gpu_memory_used"]) / 2**30 for s in ss], label=f"{m.name} GPU GiB")
+        elif any(s["rss_bytes"] for s in ss):
+            mem_ax.plot(t, [(s["rss_bytes"] or 0) / 2**30 for s in ss], label=f"{m.name} RSS GiB")
+    for ax in (cpu_ax, mem_ax):
+        ax.set_xlabel("s")
+        ax.legend(fontsize=7)
+    fig.suptitle("server resources over time")
+    return fig
+
+
+# -------------------------------------------------------------------------------------------- HTML
+_STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;text-align:right;font-size:13px}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;margin:1em 0}
+.warn{color:#a15c00}"""
+
+
+def _html(title: str, measured: list[Measured], images: dict[str, str]) -> str:
+    e = html.escape
+    summaries = [m.summary for m in measured]
+    head = "".join(f"<th>{e(m.name)}</th>" for m in measured)
+    settings = [("server", lambda s: f"{s['url']} ({s['model_id']})"),
+                ("hardware", lambda s: f"{s.get('hardware')} ({s.get('hardware_source')})"),
+                ("workload", lambda s: s.get("workload", "")),
+                ("endpoint / ignore_eos / temperature",
+                 lambda s: f"{s.get('endpoint')} / {s.get('ignore_eos')} / {s.get('temperature')}"),
+                ("prompt lengths counted by", lambda s: s.get("prompt_lengths_counted_by", "")),
+                ("date", lambda s: s.get("date", ""))]
+    rows = "".join(f"<tr><td>{e(name)}</td>{''.join(f'<td>{e(str(fmt(s)))}</td>' for s in summaries)}</tr>"
+                   for name, fmt in settings + _rows(summaries))
+    warnings = "".join(f"<li class=warn>{e(m.name)}: {e(w)}</li>" for m in measured for w in m.warnings)
+    figures = "".join(f"<h2>{e(name.replace('_', ' '))}</h2><img alt='{e(name)}' src='data:image/png;base64,{data}'>"
+                      for name, data in images.items())
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
+            f"</head><body><h1>{e(title)}</h1><table><tr><th>metric</th>{head}</tr>{rows}</table>"
+            f"{'<h2>warnings</h2><ul>' + warnings + '</ul>' if warnings else ''}{figures}</body></html>")

@@ -8,19 +8,20 @@ that each run their own event loop and HTTP client, all aiming at the same start
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing as mp
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from loadtest.client import RequestOptions, Target, new_client, send
-from loadtest.metrics import RequestRecord, summarize
-from loadtest.schedule import Schedule, arrival_offsets
-from loadtest.sysmon import Sampler, find_server_process, hardware, scrape_metrics
+from loadtest.metrics import RequestRecord, count_missing_output_tokens, summarize
+from loadtest.schedule import Schedule, arrival_offsets, offered_rate, used_burstiness
+from loadtest.sysmon import Sampler, client_hardware, find_server_process, scrape_metrics
 from loadtest.workload import RequestSpec
 
 LAG_WARNING_S = 0.010  # p99 send lag above this means the client, not the server, set the pace
@@ -35,7 +36,6 @@ class RunConfig:
     burstiness: float = 1.0
     concurrency: int | None = None  # closed loop: at most this many in flight
     duration_s: float | None = None  # stop sending after this long
-    warmup: int = 0  # requests sent before the timed window
     seed: int = 0
     slos_ms: dict[str, float] = field(default_factory=dict)
     workers: int = 1
@@ -54,38 +54,80 @@ class TargetResult:
     samples: list = field(default_factory=list)
     metrics_before: dict = field(default_factory=dict)
     metrics_after: dict = field(default_factory=dict)
-    hardware: dict = field(default_factory=dict)
+    client_hardware: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    server_info: dict | None = None  # a burstgate server's GET /info
 
 
 async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
-                     on_done: Callable[[RequestRecord | None], None] | None = None) -> TargetResult:
-    """Send ``specs`` to ``target`` as ``cfg`` says; every failure is recorded, nothing raises."""
+                     on_done: Callable[[RequestRecord | None], None] | None = None,
+                     warmup: Sequence[RequestSpec] = (), count_tokens: Callable[[str], int] | None = None) -> TargetResult:
+    """Send ``specs`` to ``target`` as ``cfg`` says; every failure is recorded, nothing raises.
+
+    ``warmup`` requests go first, all at once (under the closed loop's limit), outside the timed window.
+    ``count_tokens`` re-counts the output of requests the server sent no usage for."""
     offsets = arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed)
     async with new_client(cfg.request) as client:
-        for _ in range(cfg.warmup):
-            await send(client, target, specs[0], RequestRecord(-1, 0.0), cfg.request)
+        await _warm_up(client, target, warmup, cfg)
         before = await scrape_metrics(client, target.url)
         process = _server_process(target, cfg)
         sampler = Sampler(process, cfg.sample_interval_s)
         sampler.start()
-        if cfg.workers > 1:
-            t0, records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, cfg, on_done)
-        else:
-            t0 = time.perf_counter() + START_LEAD_S
-            records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
+        _freeze_heap()
+        try:
+            if cfg.workers > 1:
+                t0, records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, cfg, on_done)
+            else:
+                t0 = time.perf_counter() + START_LEAD_S
+                records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
+            ended = time.perf_counter()  # every request has ended: answered, failed or timed out
+        finally:
+            gc.unfreeze()
         samples = await sampler.stop()
         after = await scrape_metrics(client, target.url)
-    ends = [r.chunk_times[-1] for r in records if r.chunk_times] or [time.perf_counter()]
-    summary = summarize(records, max(ends) - t0, cfg.slos_ms or None)
-    summary.update(url=target.url, model=target.model, label=target.label, num_prompts=len(specs),
-                   request_rate="inf" if cfg.schedule is Schedule.burst else cfg.rate, burstiness=cfg.burstiness,
-                   max_concurrency=cfg.concurrency, schedule=cfg.schedule.value)
+    if count_tokens is not None:
+        count_missing_output_tokens(records, count_tokens)
+    summary = summarize(records, ended - t0, cfg.slos_ms or None)
+    summary.update(url=target.url, model_id=target.model, label=target.label, num_prompts=len(specs),
+                   request_rate="inf" if cfg.schedule is Schedule.burst else cfg.rate,
+                   burstiness=used_burstiness(cfg.schedule, cfg.burstiness),
+                   offered_request_rate=offered_rate(offsets), max_concurrency=cfg.concurrency,
+                   schedule=cfg.schedule.value, warmup_requests=len(warmup))
+    return TargetResult(target, cfg, records, summary, samples, before, after, client_hardware(), _warnings(summary))
+
+
+def _freeze_heap() -> None:
+    """Keep the garbage collector off the objects already alive (torch, tokenizers: 250k here, 160 ms a full
+    pass), so no collection pauses the client mid-run; vLLM's bench does the same (``freeze_gc_heap``)."""
+    gc.collect()
+    gc.freeze()
+
+
+async def _warm_up(client: aiohttp.ClientSession, target: Target, warmup: Sequence[RequestSpec], cfg: RunConfig) -> None:
+    gate = asyncio.Semaphore(cfg.concurrency or max(len(warmup), 1))
+
+    async def one(spec: RequestSpec) -> None:
+        async with gate:
+            await send(client, target, spec, RequestRecord(-1, 0.0), cfg.request)
+
+    await asyncio.gather(*(one(s) for s in warmup))
+
+
+def _warnings(summary: dict) -> list[str]:
     warnings = []
     if summary["p99_send_lag_ms"] > LAG_WARNING_S * 1000:
         warnings.append(f"client fell behind its schedule: p99 send lag {summary['p99_send_lag_ms']:.1f} ms "
                         f"(> {LAG_WARNING_S * 1000:.0f} ms); results may be client-bound, try --workers")
-    return TargetResult(target, cfg, records, summary, samples, before, after, hardware(), warnings)
+    if summary["short_outputs"]:
+        warnings.append(f"{summary['short_outputs']} requests got fewer tokens than max_tokens although ignore_eos "
+                        "was sent: the target ignores it, so outputs are not of fixed length")
+    if summary["prompt_tokens_mismatched"]:
+        warnings.append(f"{summary['prompt_tokens_mismatched']} requests: the server counted other prompt lengths "
+                        "than planned (its counts are used); give the target's tokenizer with --tokenizer")
+    if summary["output_tokens_counted_by_tokenizer"]:
+        warnings.append(f"{summary['output_tokens_counted_by_tokenizer']} requests came without usage: their output "
+                        "tokens were re-counted from the text with the client's tokenizer")
+    return warnings
 
 
 def _server_process(target: Target, cfg: RunConfig):
@@ -186,6 +228,7 @@ def _run_in_processes(target, specs, offsets, cfg: RunConfig, on_done) -> tuple[
 def _worker(target, specs, offsets, cfg, indices, events, start_at, go) -> None:
     async def main():
         async with new_client(cfg.request) as client:
+            _freeze_heap()
             events.put(("ready", None))
             await asyncio.to_thread(go.wait)
             return await _send_all(client, target, specs, offsets, start_at.value, cfg,
@@ -195,6 +238,8 @@ def _worker(target, specs, offsets, cfg, indices, events, start_at, go) -> None:
 
 
 def result_to_json(result: TargetResult) -> dict:
-    return {"summary": result.summary, "hardware": result.hardware, "warnings": result.warnings,
+    """Everything about one run but its per-request records."""
+    return {"summary": result.summary, "server_info": result.server_info, "client_hardware": result.client_hardware,
+            "warnings": result.warnings,
             "samples": [asdict(s) for s in result.samples], "metrics_before": result.metrics_before,
             "metrics_after": result.metrics_after}

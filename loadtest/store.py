@@ -1,76 +1,100 @@
-"""Results store: every run appended to SQLite; re-read for reports and the per-hardware leaderboard."""
+"""Results store: every run appended to SQLite; re-read for reports and the leaderboard.
+
+The database lives in the user's data directory, whatever the current directory:
+``$BURSTGATE_LOADTEST_DB``, else ``$XDG_DATA_HOME/burstgate/loadtest.sqlite`` (``~/.local/share/...``).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
 
-DEFAULT_DB = Path("results/loadtest.sqlite")
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_group TEXT NOT NULL,        -- one `loadtest run` invocation (several targets side by side)
+    run_group TEXT NOT NULL,        -- one `loadtest run` invocation (several targets and points)
     created REAL NOT NULL,
-    hardware TEXT NOT NULL,         -- GPU name, else CPU model
+    hardware TEXT NOT NULL,         -- the target server's: from its GET /info, or declared (URL#MODEL@HARDWARE)
     model TEXT NOT NULL,
     url TEXT NOT NULL,
-    workload TEXT NOT NULL,         -- e.g. "burst in=512 out=128 n=1000"
+    label TEXT NOT NULL,
+    workload TEXT NOT NULL,         -- the requests' shape and schedule, e.g. "chat synthetic in=512 out=128 ..."
+    failed INTEGER NOT NULL,
     summary TEXT NOT NULL,          -- JSON, vLLM bench field names
-    details TEXT NOT NULL           -- JSON: hardware, samples, metrics, warnings
+    details TEXT NOT NULL,          -- JSON: server info, client hardware, samples, metrics, warnings
+    records TEXT NOT NULL           -- JSON list of per-request records
 );
 """
 
 
-def connect(path: Path = DEFAULT_DB) -> sqlite3.Connection:
+def default_db() -> Path:
+    if env := os.environ.get("BURSTGATE_LOADTEST_DB"):
+        return Path(env)
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "burstgate" / "loadtest.sqlite"
+
+
+def connect(path: Path | None = None) -> sqlite3.Connection:
+    """The store at ``path`` (default: ``default_db()``), created on first use."""
+    path = path or default_db()
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path)
     db.row_factory = sqlite3.Row
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    has_runs = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'runs'").fetchone() is not None
+    if has_runs and version != SCHEMA_VERSION:
+        db.close()
+        raise ValueError(f"{path} holds results of an older burstgate (its hardware column named the client's "
+                         "machine); give another --db")
     db.executescript(_SCHEMA)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     return db
 
 
-def save(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, details: dict) -> int:
+def save(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, details: dict,
+         records: list[dict]) -> int:
     cur = db.execute(
-        "INSERT INTO runs (run_group, created, hardware, model, url, workload, summary, details) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (run_group, time.time(), details.get("hardware", {}).get("hardware", "unknown"), summary["model"],
-         summary["url"], workload, json.dumps(summary), json.dumps(details)))
+        "INSERT INTO runs (run_group, created, hardware, model, url, label, workload, failed, summary, details, "
+        "records) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (run_group, time.time(), summary["hardware"], summary["model_id"], summary["url"], summary["label"], workload,
+         summary["failed"], json.dumps(summary), json.dumps(details), json.dumps(records)))
     db.commit()
     return int(cur.lastrowid)
 
 
 def run_groups(db: sqlite3.Connection) -> list[sqlite3.Row]:
-    return db.execute("SELECT run_group, MIN(created) AS created, COUNT(*) AS targets, workload, hardware "
-                      "FROM runs GROUP BY run_group ORDER BY created").fetchall()
+    return db.execute("SELECT run_group, MIN(created) AS created, COUNT(*) AS targets FROM runs GROUP BY run_group "
+                      "ORDER BY created").fetchall()
 
 
 def load_group(db: sqlite3.Connection, run_group: str) -> list[dict]:
     rows = db.execute("SELECT * FROM runs WHERE run_group = ? ORDER BY id", (run_group,)).fetchall()
-    return [{"summary": json.loads(r["summary"]), "details": json.loads(r["details"]), "workload": r["workload"],
-             "hardware": r["hardware"]} for r in rows]
+    return [{"summary": json.loads(r["summary"]), "details": json.loads(r["details"]),
+             "records": json.loads(r["records"]), "workload": r["workload"], "hardware": r["hardware"]} for r in rows]
 
 
 def leaderboard(db: sqlite3.Connection, slo_ttft_ms: float | None = None) -> list[dict]:
-    """Per (hardware, workload): the fastest target by output throughput, and by p99 TTFT among runs
-    meeting the TTFT SLO (all runs when none is given). The workload names the model's tokenizer, so
-    targets are compared only on the same model and the same requests."""
+    """Per (server hardware, model, workload): the fastest target by output throughput, and by p99 TTFT
+    among runs meeting the TTFT SLO (all runs when none is given). A run with any failed request never
+    wins: it did not serve the whole workload."""
     groups: dict[tuple, list[dict]] = {}
-    for r in db.execute("SELECT hardware, workload, summary FROM runs").fetchall():
-        groups.setdefault((r["hardware"], r["workload"]), []).append(json.loads(r["summary"]))
+    for r in db.execute("SELECT hardware, model, workload, summary FROM runs ORDER BY id").fetchall():
+        groups.setdefault((r["hardware"], r["model"], r["workload"]), []).append(json.loads(r["summary"]))
     board = []
-    for (hardware, workload), runs in sorted(groups.items()):
-        ok = [s for s in runs if s["completed"] > 0]
-        if not ok:
-            continue
-        by_throughput = max(ok, key=lambda s: s["output_throughput"])
-        within = [s for s in ok if slo_ttft_ms is None or s["p99_ttft_ms"] <= slo_ttft_ms]
-        by_ttft = min(within, key=lambda s: s["p99_ttft_ms"]) if within else None
-        board.append({"hardware": hardware, "workload": workload, "runs": len(runs),
-                      "fastest_by_throughput": by_throughput["label"],
-                      "output_throughput": by_throughput["output_throughput"],
+    for (hardware, model, workload), runs in sorted(groups.items()):
+        clean = [s for s in runs if s["failed"] == 0 and s["completed"] > 0]
+        by_throughput = max(clean, key=lambda s: s["output_throughput"], default=None)
+        within = [s for s in clean if slo_ttft_ms is None or s["p99_ttft_ms"] <= slo_ttft_ms]
+        by_ttft = min(within, key=lambda s: s["p99_ttft_ms"], default=None)
+        board.append({"hardware": hardware, "model": model, "workload": workload, "runs": len(runs),
+                      "runs_with_failures": len(runs) - len(clean),
+                      "fastest_by_throughput": by_throughput["label"] if by_throughput else None,
+                      "output_throughput": by_throughput["output_throughput"] if by_throughput else None,
                       "fastest_by_p99_ttft": by_ttft["label"] if by_ttft else None,
                       "p99_ttft_ms": by_ttft["p99_ttft_ms"] if by_ttft else None})
     return board

@@ -4,13 +4,12 @@ and the target's Prometheus /metrics before and after."""
 from __future__ import annotations
 
 import asyncio
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.info import describe, devices
 from loadtest.extras import require
 
 SAMPLING = "sampling the server's CPU and memory"
@@ -25,25 +24,10 @@ class Sample:
     gpu_util_percent: list[int] = field(default_factory=list)
 
 
-def hardware() -> dict:
-    """What the numbers were measured on: GPU names via NVML when present, else the CPU model."""
-    info = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "gpus": []}
-    nvml = _nvml()
-    if nvml is not None:
-        info["gpus"] = [nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
-                        for i in range(nvml.nvmlDeviceGetCount())]
-    info["hardware"] = info["gpus"][0] if info["gpus"] else info["cpu"]
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def client_hardware() -> dict:
+    """The load tester's own machine (the server's comes from its GET /info, or is declared)."""
+    devs = devices()
+    return {"hardware": describe(devs), "devices": devs}
 
 
 def _nvml():

@@ -1,17 +1,24 @@
 """What to send: synthetic prompts of an exact token length, shared-prefix prompts, or local datasets.
 
 Synthetic prompts follow vLLM's recipe: random token ids → decode → re-encode → trim or extend until
-the target tokenizer counts exactly the asked length. The preset ``paper`` is arXiv 2311.03687's
-burst: 1000 prompts of 512 tokens with a fixed output length and ignore_eos.
+the tokenizer counts exactly the asked length. Then ``fit`` lands each prompt on that length as the
+target counts it: through the server's ``/tokenize`` when it has one (vLLM's bench re-aligns through it
+too), else with the target's local tokenizer; special tokens the server adds and, for chat, the chat
+template's own tokens count towards the length. The preset ``paper`` is arXiv 2311.03687's burst:
+1000 prompts of 512 tokens with a fixed output length and ignore_eos.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import aiohttp
 
 
 class TokenizerLike(Protocol):
@@ -26,12 +33,37 @@ class RequestSpec:
     max_tokens: int
 
 
-def load_tokenizer(name_or_path: str | None) -> TokenizerLike:
+def load_tokenizer(name_or_path: str | Path | None) -> TokenizerLike:
     """A local HF tokenizer directory, a .gguf file, or (None) the embedded SmolLM2's. Never downloads."""
+    from backends.tokenizer import Tokenizer
+
+    return Tokenizer(Path(name_or_path) if name_or_path else embedded_tokenizer_dir())
+
+
+def embedded_tokenizer_dir() -> Path:
+    """The embedded SmolLM2's tokenizer saved as an HF directory in the user's cache: rebuilding it from
+    the GGUF takes about 10 s here, loading the saved one 0.3 s."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
     from backends.native.weights import default_model_path
     from backends.tokenizer import Tokenizer
 
-    return Tokenizer(Path(name_or_path) if name_or_path else default_model_path())
+    gguf = default_model_path()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "burstgate" / f"tokenizer-{key}"
+    if not (cache / "tokenizer.json").exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache.parent))
+        Tokenizer(gguf).hf.save_pretrained(tmp)
+        try:
+            tmp.rename(cache)
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return cache
 
 
 def exact_length_prompt(tokenizer: TokenizerLike, length: int, rng: random.Random, vocab: list[int],
@@ -89,6 +121,107 @@ def _draw(value: int | tuple[int, int], rng: random.Random) -> int:
 def paper_preset(tokenizer: TokenizerLike, output_len: int = 128, n: int = 1000, seed: int = 0) -> list[RequestSpec]:
     """arXiv 2311.03687's burst: 1000 prompts × 512 tokens, fixed max output, sent at t=0."""
     return synthetic(tokenizer, n, 512, output_len, seed)
+
+
+# ------------------------------------------------------------------------ lengths as the target counts
+class PromptCounter(Protocol):
+    """Counts prompts as one target does: ``count`` includes the special tokens and chat template the
+    server adds; ``encode``/``decode`` work on the prompt text's own tokens."""
+
+    name: str
+
+    async def count(self, text: str) -> int: ...
+    async def encode(self, text: str) -> list[int]: ...
+    async def decode(self, ids: list[int]) -> str: ...
+
+
+class LocalCounter:
+    """A local tokenizer standing in for the target's (when the server has no /tokenize)."""
+
+    def __init__(self, tokenizer, chat: bool, name: str) -> None:
+        self.tokenizer, self.chat, self.name = tokenizer, chat, name
+
+    async def count(self, text: str) -> int:
+        if self.chat:
+            return len(self.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        return len(self.tokenizer.encode(text, add_special_tokens=True))
+
+    async def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+class ServerCounter:
+    """The target's own ``/tokenize`` and ``/detokenize`` (vLLM's shapes; burstgate serves them too)."""
+
+    name = "server /tokenize"
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, chat: bool,
+                 headers: dict[str, str] | None = None) -> None:
+        self.session, self.url, self.model, self.chat, self.headers = session, url, model, chat, headers or {}
+
+    async def count(self, text: str) -> int:
+        if self.chat:
+            body = {"model": self.model, "messages": [{"role": "user", "content": text}]}
+        else:
+            body = {"model": self.model, "prompt": text, "add_special_tokens": True}
+        return (await self._post("/tokenize", body))["count"]
+
+    async def encode(self, text: str) -> list[int]:
+        return (await self._post("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False}))[
+            "tokens"]
+
+    async def decode(self, ids: list[int]) -> str:
+        return (await self._post("/detokenize", {"model": self.model, "tokens": ids}))["prompt"]
+
+    async def _post(self, path: str, body: dict) -> dict:
+        async with self.session.post(self.url + path, json=body, headers=self.headers) as r:
+            r.raise_for_status()
+            return await r.json()
+
+    async def works(self) -> bool:
+        """Whether the server answers /tokenize in the way this endpoint needs."""
+        try:
+            return await self.count("Hello") > 0 and bool(await self.encode("Hello"))
+        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError, TypeError):
+            return False
+
+
+async def fit_prompt(text: str, length: int, counter: PromptCounter) -> str:
+    """``text`` trimmed or extended (with its own tokens) until ``counter`` counts exactly ``length``."""
+    for attempt in range(20):
+        total = await counter.count(text)
+        if total == length:
+            return text
+        ids = await counter.encode(text)
+        want = len(ids) + length - total
+        if want < 1:
+            raise ValueError(f"a prompt of {length} tokens cannot be built: the target adds {total - len(ids)} "
+                             "tokens of its own (special tokens or chat template)")
+        if want <= len(ids):
+            ids = ids[:want]
+        else:  # reuse the prompt's own ids, shifted each attempt so a seam that merges tokens moves
+            ids = ids + list(itertools.islice(itertools.cycle(ids[attempt % len(ids):] + ids), want - len(ids)))
+        text = await counter.decode(ids)
+    raise ValueError(f"could not build a prompt of exactly {length} tokens for {counter.name}")
+
+
+async def fit(specs: list[RequestSpec], counter: PromptCounter, exact: bool = True,
+              parallel: int = 16) -> list[RequestSpec]:
+    """``specs`` with prompt lengths as the target counts them: each prompt fitted to its planned length
+    (``exact``), or only re-counted (dataset prompts, which must not be cut)."""
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(spec: RequestSpec) -> RequestSpec:
+        async with gate:
+            if exact:
+                return RequestSpec(await fit_prompt(spec.prompt, spec.prompt_tokens, counter), spec.prompt_tokens,
+                                   spec.max_tokens)
+            return RequestSpec(spec.prompt, await counter.count(spec.prompt), spec.max_tokens)
+
+    return list(await asyncio.gather(*(one(s) for s in specs)))
 
 
 # ------------------------------------------------------------------------------------------ datasets

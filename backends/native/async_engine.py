@@ -5,8 +5,8 @@ outputs on an ``asyncio.Queue`` fed with ``call_soon_threadsafe`` once per step.
 iterator (client gone, task cancelled) posts an abort, so the sequence's KV blocks are freed at the
 next step boundary.
 
-If the engine thread itself dies (an error outside a step, or one that is not an ``Exception``), the
-backend is dead for good: ``dead`` holds the cause, every caller's stream ends with ``UnavailableError``
+If the engine thread itself dies (an error outside a step, one that is not an ``Exception``, or any
+step error once a tensor-parallel worker is gone), the backend is dead for good: ``dead`` holds the cause, every caller's stream ends with ``UnavailableError``
 (503), new requests are refused with it, and ``alive`` turns false so health checks mark it down.
 """
 
@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from backends.base import SamplingParams, UnavailableError, UpstreamError
+from backends.base import GenerationChunk, SamplingParams, UnavailableError, UpstreamError
 from backends.native.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they are produced; raises ``InvalidRequestError`` up front."""
+                       ) -> AsyncIterator[GenerationChunk]:
+        """Chunks of one request as they are produced; raises ``InvalidRequestError`` up front (the one
+        validation a request gets)."""
         self._raise_if_dead()
         self.engine.check_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -72,7 +73,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and self._thread.is_alive()
+        return self.dead is None and self._thread.is_alive() and self.engine.alive
 
     def close(self) -> None:
         self._stopped = True
@@ -101,6 +102,8 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or OOM: fail every request, keep serving new ones
+                if not self.engine.alive:  # a tensor-parallel worker died: nothing more can run
+                    raise
                 log.exception("engine step failed")
                 self._fail_all(UpstreamError(f"engine step failed: {exc}"))
                 continue
@@ -124,11 +127,11 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationChunk]]] = {}
+        for request_id, chunk in outputs:
+            stream = self._streams.get(request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream.queue, chunk))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
@@ -141,7 +144,6 @@ class AsyncEngine:
         for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
             self._send(request_id, exc)
-
 
     def _die(self, exc: BaseException) -> None:
         """Mark the engine dead first (``generate`` checks it after registering), then end every stream
@@ -157,7 +159,7 @@ class AsyncEngine:
                 log.exception("could not abort %s after the engine thread died", request_id)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,13 +13,11 @@ from backends.base import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
-    TokenLogprob,
     UnavailableError,
-    Usage,
 )
 from backends.native.async_engine import AsyncEngine
 from backends.native.config import EngineConfig
-from backends.native.engine import LLMEngine, RequestOutput
+from backends.native.engine import LLMEngine
 
 
 class NativeBackend(Backend):
@@ -32,6 +28,7 @@ class NativeBackend(Backend):
         self.model_name = model_name
         self.config = config or EngineConfig()
         self._engine = engine
+        self._owns_engine = engine is None  # an engine passed in is shared, and closed by its owner
         self._async: AsyncEngine | None = None
 
     async def start(self) -> None:
@@ -43,6 +40,9 @@ class NativeBackend(Backend):
         if self._async is not None:
             await asyncio.to_thread(self._async.close)
             self._async = None
+        if self._owns_engine and self._engine is not None:
+            await asyncio.to_thread(self._engine.close)
+            self._engine = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -51,15 +51,11 @@ class NativeBackend(Backend):
         return self._engine
 
     # ----------------------------------------------------------------------------------- protocol
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        engine = self.engine
-        prompt_ids = self._prompt_ids(request)
-        params = dataclasses.replace(request.params, stop=list(request.params.stop),
-                                     stop_token_ids=list(request.params.stop_token_ids))
-        # aclosing: when our caller stops early, the engine's stream must close now (and abort), not at GC.
-        async with contextlib.aclosing(self._async.generate(request.request_id, prompt_ids, params)) as outs:
-            async for out in outs:
-                yield self._chunk(out, engine)
+    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """The engine's own stream of chunks: closing it (the client left) aborts the request."""
+        if self._async is None:
+            raise UnavailableError(f"backend {self.name} is not started")
+        return self._async.generate(request.request_id, self._prompt_ids(request), request.params)
 
     async def health(self) -> bool:
         return self._async is not None and self._async.alive
@@ -98,16 +94,3 @@ class NativeBackend(Backend):
             return tokenizer.encode(text or "", add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates
             raise InvalidRequestError(f"prompt cannot be tokenised: {exc}", param="prompt") from exc
-
-    @staticmethod
-    def _chunk(out: RequestOutput, engine: LLMEngine) -> GenerationChunk:
-        logprobs = None
-        if out.logprobs:
-            tok = engine.tokenizer
-            logprobs = [TokenLogprob(s.token_id, tok.decode([s.token_id], False), s.logprob,
-                                     [(i, tok.decode([i], False), lp) for i, lp in (s.top or [])])
-                        for s in out.logprobs]
-        usage = None
-        if out.finish_reason is not None:
-            usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        return GenerationChunk(out.text, out.token_ids, logprobs, out.finish_reason, usage)

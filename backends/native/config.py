@@ -41,6 +41,7 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1)  # None: the cgroup's CPU quota, resolved when the engine starts
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
+    tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""

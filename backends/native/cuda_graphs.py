@@ -61,12 +61,14 @@ class DecodeGraphs:
     def can_run(self, batch: Batch) -> bool:
         return batch.is_decode_only and len(batch.token_ids) <= self.sizes[-1]
 
-    def run(self, batch: Batch) -> torch.Tensor:
-        """fp32 logits [n, vocab] of a decode-only batch of ``n`` sequences."""
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """fp32 logits [n, vocab] of a decode-only batch of ``n`` sequences (None on tensor-parallel ranks
+        other than 0)."""
         n = len(batch.token_ids)
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(torch.tensor(batch.token_ids), non_blocking=True)
         self.positions[:n].copy_(torch.tensor(batch.positions), non_blocking=True)
         self.attention.fill_decode_metadata(self.meta, batch, size)
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        logits = self.logits[size]
+        return None if logits is None else logits[:n]

@@ -1,46 +1,32 @@
-"""The synchronous engine: admission checks, the schedule → run → sample → detokenise step."""
+"""The synchronous engine: admission checks, then the schedule → run → sample → postprocess step.
+
+A request is validated once, where it enters (``check_request``); admitted requests are only checked for
+invariants. What one step produces for a request is a ``GenerationChunk``, the type every backend
+streams, so nothing converts it again between the engine and the gateway.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from backends.base import EngineStats, InvalidRequestError, SamplingParams
+from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
+from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
-from backends.native.kv_cache import BlockManager
 from backends.native.model_runner import ModelRunner
-from backends.native.sampler import Sampled, sample
-from backends.native.scheduler import Scheduler, SchedulerConfig
+from backends.native.sampler import sample, token_logprobs
+from backends.native.scheduler import Scheduler, Update
 from backends.native.sequence import Sequence
 from backends.native.weights import default_model_path, open_checkpoint
+from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    logprobs: list[Sampled] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class _Request:
-    request_id: str
-    seq: Sequence
-    detok: IncrementalDetokenizer
+RequestOutput = tuple[str, GenerationChunk]  # (request id, what one step produced for it)
 
 
 class LLMEngine:
@@ -57,24 +43,26 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(Path(config.tokenizer) if config.tokenizer else checkpoint.tokenizer_path)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position_embeddings,
                                  checkpoint.config.max_position_embeddings)
-        self.runner = ModelRunner(config, checkpoint, self.max_model_len)
-        num_blocks = self.runner.num_blocks
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill), self.blocks)
+        if config.tensor_parallel_size > 1:
+            from backends.native.workers import ParallelRunner
+
+            self.runner = ParallelRunner(config, checkpoint, self.max_model_len)
+        else:
+            self.runner = ModelRunner(config, checkpoint, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
         eos = set(checkpoint.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = checkpoint.config.vocab_size
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Sequence] = {}
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         log.info("native engine: %s on %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, num_blocks,
-                 config.block_size, num_blocks * config.block_size, self.max_model_len,
+                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, self.blocks.num_blocks,
+                 config.block_size, self.blocks.num_blocks * config.block_size, self.max_model_len,
                  self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
 
     # ------------------------------------------------------------------------------- admission
@@ -102,23 +90,23 @@ class LLMEngine:
                 f"{self.blocks.num_blocks * self.blocks.block_size}.", param="max_tokens")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request that ``check_request`` accepted; ``params`` is read, never changed."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
-        self.check_request(prompt_ids, params)
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(prompt_ids)
         seq = Sequence(request_id, list(prompt_ids), params)
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
-        self._requests[request_id] = _Request(request_id, seq, detok)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        seq.stop = StopChecker(params, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                               self.eos_token_ids, max_tokens, self.max_model_len)
+        self._requests[request_id] = seq
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks. Unknown or finished ids are ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.abort(req.seq)
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
@@ -126,44 +114,47 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def alive(self) -> bool:
+        """False once a tensor-parallel worker died: nothing more can run."""
+        return self.runner.alive
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.runner.close()
+
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one batch and return what each sampled request produced."""
+        """Run one batch; (request id, chunk) for every request that got a token."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
         logits = self.runner.execute(scheduled.batch)
         self.prompt_tokens_total += sum(min(n, max(s.num_prompt - s.num_computed, 0))
                                         for s, n in zip(scheduled.seqs, scheduled.num_tokens))
-        self.scheduler.complete(scheduled)
-        sampling = [s for s, smp in zip(scheduled.seqs, scheduled.batch.sample) if smp]
-        if not sampling:
-            return []
-        outputs = [self._append(self._requests[seq.request_id], sampled)
-                   for seq, sampled in zip(sampling, sample(logits, sampling, self.eos_token_ids))]
-        self.generation_tokens_total += len(outputs)
-        return outputs
+        sampling = scheduled.sampling
+        sampled = sample(logits, sampling, self.eos_token_ids) if sampling else []
+        updates = self.scheduler.postprocess(scheduled, sampled)
+        self.generation_tokens_total += len(updates)
+        return [self._output(u) for u in updates]
 
-    def _append(self, req: _Request, sampled: Sampled) -> RequestOutput:
-        seq, params = req.seq, req.seq.params
-        tok = sampled.token_id
-        seq.token_ids.append(tok)
-        text, hit_stop = req.detok.add(tok)
-        reason = None
-        if hit_stop:
-            reason = "stop"
-        elif not params.ignore_eos and tok in self.eos_token_ids or tok in params.stop_token_ids:
-            reason = "stop"
-        elif seq.num_output >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+    def _output(self, update: Update) -> RequestOutput:
+        seq, reason = update.seq, update.finish_reason
         if reason is not None:
-            text += req.detok.flush()
-            self.scheduler.finish(seq, reason)
-            del self._requests[req.request_id]
-        return RequestOutput(req.request_id, text, [tok], [sampled] if params.logprobs is not None else [],
-                             reason, seq.num_prompt, seq.num_output, seq.num_cached_prompt)
+            del self._requests[seq.request_id]
+        logprobs = token_logprobs(self.tokenizer, update.sampled) if seq.params.logprobs is not None else None
+        usage = Usage(seq.num_prompt, seq.num_output, seq.num_cached_prompt) if reason is not None else None
+        return seq.request_id, GenerationChunk(update.text, [update.sampled.token_id], logprobs, reason, usage)
 
     # ---------------------------------------------------------------------------------- figures
+    def settings(self) -> dict:
+        """What the engine runs with: its configuration with every ``auto`` resolved (for GET /info)."""
+        runner = self.runner
+        return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
+                "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
+                "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
+                "cuda_graphs": runner.graphs is not None}
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_usage=self.blocks.usage,
@@ -172,21 +163,16 @@ class LLMEngine:
             generation_tokens=self.generation_tokens_total)
 
     # ------------------------------------------------------------------------------ offline use
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Run prompts to completion together; one folded output per prompt, in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationChunk]:
+        """Run prompts to completion together; one folded chunk per prompt, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self._offline_ids + i}" for i in range(len(prompts))]
         self._offline_ids += len(prompts)
         for rid, prompt, p in zip(ids, prompts, plist):
-            self.add_request(rid, prompt, SamplingParams(**vars(p)))
-        folded = {rid: RequestOutput(rid, "", []) for rid in ids}
+            self.check_request(prompt, p)
+            self.add_request(rid, prompt, p)
+        folded = {rid: GenerationChunk() for rid in ids}
         while self.has_unfinished():
-            for out in self.step():
-                acc = folded[out.request_id]
-                acc.text += out.text
-                acc.token_ids += out.token_ids
-                acc.logprobs += out.logprobs
-                acc.finish_reason = out.finish_reason
-                acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = (
-                    out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            for rid, chunk in self.step():
+                folded[rid].extend(chunk)
         return [folded[rid] for rid in ids]

@@ -23,6 +23,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D] as views of the fused projection ``qkv`` [T, (Hq + 2 Hkv) * D]."""
+    heads = qkv.view(qkv.shape[0], -1, head_dim)
+    return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+
+
 class TorchLayerOps:
     """Reference implementations in plain torch."""
 
@@ -99,5 +106,4 @@ class CpuLayerOps:
         library().rotary_store_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slot_mapping.data_ptr(), t, num_heads, num_kv_heads, d,
                                   k_cache.shape[1] * k_cache.shape[2], DTYPE_FLAGS[qkv.dtype])
-        heads = qkv.view(t, -1, d)
-        return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+        return split_heads(qkv, num_heads, num_kv_heads, d)

@@ -2,6 +2,8 @@
 
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
 fused into one matmul each. ``load_weights`` takes tensors under HF names and fills the fused layout.
+Under tensor parallelism (parallel.py) each rank builds its shard of every layer and loads its slice of
+every tensor; the all-reduces and the logits gather are the model's only collectives.
 The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
 does); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU) and attention from an
 attention backend (attention/), both chosen per model by ``attention.choose_kernels``.
@@ -9,15 +11,17 @@ attention backend (attention/), both chosen per model by ``attention.choose_kern
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
 from backends.native.linear import Linear, can_pack
+from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 
 
@@ -38,42 +42,65 @@ class Attention(nn.Module):
     ops = TorchLayerOps
     backend: AttentionBackend  # set by ``LlamaModel.use_kernels``
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        kv_heads = tp.kv_heads(cfg.num_kv_heads)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, kv_heads.stop - kv_heads.start
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)  # row-parallel: a partial sum per rank
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.ops.rotary_store_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, *kv_cache,
                                            meta.slot_mapping)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class MLP(nn.Module):
     ops = TorchLayerOps
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = cfg.intermediate_size // tp.size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows of the embedding table; a lookup sums every rank's rows (zeros elsewhere)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.rows = tp.padded_rows(cfg.vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows.stop - self.rows.start, cfg.hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, rope, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -82,28 +109,32 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack plus LM head. ``forward`` returns fp32 logits for ``meta.logits_indices`` only."""
+    """Decoder stack plus LM head: one rank's shard of it (the whole model when ``tp.size`` is 1).
+    ``forward`` returns fp32 logits for ``meta.logits_indices`` only, on rank 0 (None on the others)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.embed_tokens = VocabEmbedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)  # vocab-parallel
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling, device=self.embed_tokens.weight.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata) -> torch.Tensor | None:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         x, _ = self.norm(x[meta.logits_indices], residual[meta.logits_indices])
-        return self.lm_head(x).float()
+        logits = self.tp.gather_columns(self.lm_head(x))
+        return None if logits is None else logits[:, :self.config.vocab_size].float()
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Run every layer's attention on ``kernels.attention`` and its elementwise ops on ``kernels.layer_ops``."""
@@ -112,6 +143,12 @@ class LlamaModel(nn.Module):
                 module.ops = kernels.layer_ops
             if isinstance(module, Attention):
                 module.backend = kernels.attention
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds (oneDNN-packed copies included)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        return total + sum(m.packed.numel() * m.packed.element_size() for m in self.modules()
+                           if isinstance(m, Linear) and m.packed is not None)
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
@@ -125,52 +162,84 @@ class LlamaModel(nn.Module):
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
         return True
 
-    def init_dummy_weights(self, seed: int) -> None:
-        """Random weights (vLLM's ``load_format: dummy``), drawn in place on the model's device from ``seed``:
-        matrices and biases N(0, 0.02), norms 1. For measuring an architecture without its checkpoint."""
-        generator = torch.Generator(self.embed_tokens.weight.device).manual_seed(seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into this module, fusing q/k/v and gate/up; every parameter must be set."""
+        """Copy HF-named tensors into this module: this rank's slice of each, q/k/v and gate/up fused.
+        Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         unset = {name for name in params if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
         for hf_name, tensor in tensors:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue
-            name, offset = self._target(hf_name)
+            name, rows, dim, part = self._target(hf_name)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in the model")
-            param = params[name]
+            dest = params[name] if rows is None else params[name][rows]
+            if part is not None:  # the last vocabulary shard may run past the table: its rest is padding
+                tensor = tensor.narrow(dim, part.start, max(min(part.stop, tensor.shape[dim]) - part.start, 0))
+            padded = part is not None and part.stop > part.start + tensor.shape[dim]
+            if dest.shape != tensor.shape and not (padded and dest.shape[1:] == tensor.shape[1:]):
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
             with torch.no_grad():
-                if offset is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                    param.copy_(tensor)
-                else:
-                    param[offset: offset + tensor.shape[0]].copy_(tensor)
+                dest[:tensor.shape[0]].copy_(tensor)
+                dest[tensor.shape[0]:].zero_()
             unset.discard(name)
         if unset:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unset)[:5]}")
 
-    def _target(self, hf_name: str) -> tuple[str, int | None]:
-        """Map an HF name to (our parameter name, row offset inside a fused parameter or None)."""
+    def _target(self, hf_name: str) -> tuple[str, slice | None, int, slice | None]:
+        """Map an HF name to (our parameter, the rows it fills in a fused parameter or None for all, and
+        the dimension and slice of the HF tensor this rank holds, or None for all of it)."""
         name = hf_name.removeprefix("model.")
-        attn = self.layers[0].self_attn
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", attn.q_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", attn.q_size + attn.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", self.config.intermediate_size),
+        cfg, tp, d = self.config, self.tp, self.config.head_dim
+        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, cfg.intermediate_size // tp.size
+        q_heads, kv_heads = tp.rows(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
+        q_part, kv_part = slice(q_heads.start * d, q_heads.stop * d), slice(kv_heads.start * d, kv_heads.stop * d)
+        mlp_part = tp.rows(cfg.intermediate_size)
+        parts = {  # HF part: (our part, rows of it, dim and slice of the HF tensor)
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q), 0, q_part),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv), 0, kv_part),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv), 0, kv_part),
+            "self_attn.o_proj": ("self_attn.o_proj", None, 1, q_part),
+            "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter), 0, mlp_part),
+            "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter), 0, mlp_part),
+            "mlp.down_proj": ("mlp.down_proj", None, 1, mlp_part),
         }
-        for part, (target, offset) in fused.items():
+        for part, (target, rows, dim, shard) in parts.items():
             if f".{part}." in name:
-                return name.replace(part, target), offset
-        return name, None
+                return name.replace(part, target), rows, dim, shard if tp.size > 1 else None
+        if name in ("embed_tokens.weight", "lm_head.weight") and tp.size > 1:
+            return name, None, 0, self.embed_tokens.rows
+        return name, None, 0, None
+
+
+def dummy_tensors(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights under HF names (vLLM's ``load_format: dummy``): matrices and biases N(0, 0.02), norms 1.
+    Each whole tensor is drawn from ``seed`` before any rank slices it, so every tensor-parallel size
+    serves the same model; one tensor exists at a time."""
+    generator = torch.Generator(device).manual_seed(seed)
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=dtype, device=device).mul_(0.02)
+
+    yield "model.embed_tokens.weight", draw(config.vocab_size, h)
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+                            ("self_attn.v_proj", (kv, h))):
+            yield f"{prefix}{name}.weight", draw(*shape)
+            if config.attention_bias:
+                yield f"{prefix}{name}.bias", draw(shape[0])
+        yield f"{prefix}self_attn.o_proj.weight", draw(h, q)
+        yield f"{prefix}mlp.gate_proj.weight", draw(inter, h)
+        yield f"{prefix}mlp.up_proj.weight", draw(inter, h)
+        yield f"{prefix}mlp.down_proj.weight", draw(h, inter)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            yield f"{prefix}{norm}.weight", torch.ones(h, dtype=dtype, device=device)
+    yield "model.norm.weight", torch.ones(h, dtype=dtype, device=device)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", draw(config.vocab_size, h)

@@ -7,6 +7,7 @@ the full token budget, as vLLM does), allocate it, and on CUDA capture decode st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -15,7 +16,8 @@ from backends.native.attention import Kernels, choose_kernels
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
-from backends.native.model import LlamaModel
+from backends.native.model import LlamaModel, dummy_tensors
+from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Checkpoint
 
@@ -24,10 +26,11 @@ log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 2 << 30  # the default budget where memory cannot be profiled
 
 
-def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """An uninitialised model on ``device`` (parameters are filled by ``load_weights`` or by the caller)."""
+def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> LlamaModel:
+    """An uninitialised model (this rank's shard) on ``device``; ``load_weights`` or the caller fills it."""
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = LlamaModel(config, max_positions, tp)
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
     if config.tie_word_embeddings:
@@ -35,29 +38,41 @@ def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, dev
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Keys and values of ``block_size`` tokens across every layer."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The head layout one of ``tp_size`` ranks computes (what its kernels and KV cache see)."""
+    kv = TensorParallel(0, tp_size).kv_heads(config.num_kv_heads)
+    return dataclasses.replace(config, num_heads=config.num_heads // tp_size, num_kv_heads=kv.stop - kv.start)
 
 
-def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many KV blocks ``budget_bytes`` hold: the engine's allocation and the planner's prediction."""
-    return budget_bytes // kv_bytes_per_block(config, block_size, dtype)
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Keys and values of ``block_size`` tokens across every layer, on one of ``tp_size`` ranks."""
+    local = local_config(config, tp_size)
+    return 2 * config.num_layers * block_size * local.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
+                    tp_size: int = 1) -> int:
+    """How many KV blocks a rank's ``budget_bytes`` hold: the engine's allocation and the planner's prediction."""
+    return max(budget_bytes, 0) // kv_bytes_per_block(config, block_size, dtype, tp_size)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
-        self.device = config.torch_device()
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
+                 tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
+        """One rank's runner (the whole model without ``tp``); ``device`` overrides ``config.device``."""
+        self.tp = tp or TensorParallel()
+        self.device = device or config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = self._load(config, checkpoint)
-        self.num_blocks = config.num_blocks or self._fit_blocks(config)
+        # Every rank must hold the same number of blocks: the block manager on rank 0 hands them out.
+        self.num_blocks = self.tp.minimum(config.num_blocks or self._fit_blocks(config))
         if self.num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization / kv_cache_gb")
-        self.kernels: Kernels = choose_kernels(config.kernels, self.model.config, self.dtype, self.device,
-                                               self.block_size, self.num_blocks)
+        self.kernels: Kernels = choose_kernels(config.kernels, local_config(self.model.config, self.tp.size),
+                                               self.dtype, self.device, self.block_size, self.num_blocks)
         self.model.use_kernels(self.kernels)
         self.packed_weights = self.model.pack_linear_weights()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
@@ -68,39 +83,40 @@ class ModelRunner:
 
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
         if config.load_format == "dummy":
-            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device)
-            model.init_dummy_weights(config.seed)
+            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device, self.tp)
+            model.load_weights(dummy_tensors(checkpoint.config, config.seed, self.dtype, self.device))
             return model
         # Filled in fp32 where it runs, then cast: GGUF tensors arrive dequantised to fp32.
-        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device)
+        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device, self.tp)
         model.load_weights(checkpoint.tensors())
         return model.to(dtype=self.dtype)
 
     # ---------------------------------------------------------------------------------- KV cache
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model.config
+        cfg = local_config(self.model.config, self.tp.size)
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         shape = (cfg.num_kv_heads, num_blocks + 1, self.block_size, cfg.head_dim)  # head-major: see attention/
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
 
     def _fit_blocks(self, config: EngineConfig) -> int:
-        per_block = kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+        cfg, tp_size = self.model.config, self.tp.size
         if config.kv_cache_gb is not None or self.device.type != "cuda":
             budget = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb is not None else CPU_KV_CACHE_BYTES
-            return budget // per_block
+            return kv_cache_blocks(cfg, self.block_size, self.dtype, budget, tp_size)
         free, total = self._profile(config)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         log.info("KV cache: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f; %.2f GiB used by weights, "
                  "peak activations and others)", max(budget, 0) / 2**30, total / 2**30,
                  config.gpu_memory_utilization, (total - free) / 2**30)
-        return max(budget, 0) // per_block
+        return kv_cache_blocks(cfg, self.block_size, self.dtype, budget, tp_size)
 
     def _profile(self, config: EngineConfig) -> tuple[int, int]:
         """(free, total) GPU bytes as they would be at the peak of a step at the full token budget."""
         tokens = min(config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // self.block_size)
-        kernels = choose_kernels("torch", self.model.config, self.dtype, self.device, self.block_size, blocks)
+        kernels = choose_kernels("torch", local_config(self.model.config, self.tp.size), self.dtype, self.device,
+                                 self.block_size, blocks)
         self.model.use_kernels(kernels)
         caches = self._allocate_kv_cache(blocks)
         batch = Batch([0] * tokens, list(range(tokens)), list(range(tokens)), [tokens], [tokens],
@@ -117,13 +133,24 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return free - transient, total
 
+    # ------------------------------------------------------------------------------------- figures
+    alive = True  # a single process: as alive as its caller
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds."""
+        return self.model.weight_bytes()
+
+    def close(self) -> None:
+        """Nothing to release beyond memory (the tensor-parallel runner stops its workers here)."""
+
     # --------------------------------------------------------------------------------------- step
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample."""
+    def execute(self, batch: Batch) -> torch.Tensor | None:
+        """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample (on rank 0;
+        None on other ranks)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         meta = self.kernels.attention.build(batch)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.base import TokenLogprob
 from backends.native.sequence import Sequence
+from backends.tokenizer import Tokenizer
 
 
 @dataclass
@@ -22,6 +24,15 @@ class Sampled:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+
+
+def token_logprobs(tokenizer: Tokenizer, sampled: Sampled) -> list[TokenLogprob]:
+    """``sampled``'s logprobs as a chunk carries them: with each token's text."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], False)
+
+    return [TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
+                         [(t, text(t), lp) for t, lp in sampled.top or []])]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[Sampled]:

@@ -11,17 +11,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from backends.base import FinishReason
 from backends.native.batch import Batch
-from backends.native.kv_cache import BlockManager
+from backends.native.block_manager import BlockManager
+from backends.native.config import EngineConfig
+from backends.native.sampler import Sampled
 from backends.native.sequence import Sequence, Status
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
 
 
 @dataclass
@@ -32,9 +27,25 @@ class ScheduledStep:
     num_tokens: list[int]
     batch: Batch
 
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that get a new token from this step, in batch order."""
+        return [seq for seq, sample in zip(self.seqs, self.batch.sample) if sample]
+
+
+@dataclass
+class Update:
+    """What a step did to one sampling sequence: its new token, the text it completes, and whether it ended."""
+
+    seq: Sequence
+    sampled: Sampled
+    text: str
+    finish_reason: FinishReason | None
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        """Reads ``max_num_seqs``, ``max_num_batched_tokens`` and ``enable_chunked_prefill`` of ``config``."""
         self.config = config
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -52,11 +63,6 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Called after a step for a sequence that met a stop condition."""
-        self.running.remove(seq)
-        self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is not Status.FINISHED:
@@ -127,19 +133,36 @@ class Scheduler:
         token_ids, positions, slots, qlens, ctxs, tables, sample = [], [], [], [], [], [], []
         for seq in seqs:
             n, start = chosen[seq], seq.num_computed
-            token_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # a decode: most of a large batch
+                token_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                token_ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qlens.append(n)
             ctxs.append(start + n)
             tables.append(table)
             sample.append(start + n == seq.num_tokens)
         return Batch(token_ids, positions, slots, qlens, ctxs, tables, sample)
 
-    def complete(self, step: ScheduledStep) -> None:
-        """Record that the step's tokens are now in the cache (before sampled tokens are appended)."""
-        for seq, n in zip(step.seqs, step.num_tokens):
-            if seq.status is Status.RUNNING:
-                seq.num_computed += n
-                self.blocks.register_full_blocks(seq)
+    def postprocess(self, step: ScheduledStep, sampled: list[Sampled]) -> list[Update]:
+        """Everything a finished step changes, in one place: computed tokens advance (and full blocks enter
+        the prefix cache), each sampling sequence gets its token (``sampled``, in ``step.sampling`` order),
+        the stop rules decide whether it ends, and ended sequences give their blocks back."""
+        updates, picks = [], iter(sampled)
+        for seq, n, samples in zip(step.seqs, step.num_tokens, step.batch.sample):
+            seq.num_computed += n
+            self.blocks.register_full_blocks(seq)
+            if not samples:
+                continue
+            pick = next(picks)
+            seq.token_ids.append(pick.token_id)
+            text, reason = seq.stop.add(pick.token_id, seq.num_tokens)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            updates.append(Update(seq, pick, text, reason))
+        return updates

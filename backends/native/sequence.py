@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.base import FinishReason, SamplingParams
+from backends.stopping import StopChecker
 
 
 class Status(enum.Enum):
@@ -29,6 +30,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     admitted: bool = False  # has been scheduled at least once
     generator: Any = None  # torch.Generator for seeded sampling, owned by the engine
+    stop: StopChecker | None = None  # detokenizes and decides when it ends (set by the engine)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

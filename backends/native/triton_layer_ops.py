@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.native.layer_ops import split_heads
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, n, eps,
@@ -112,5 +114,4 @@ class TritonLayerOps:
         _rotary_store_kv_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slot_mapping, qkv.stride(0),
             k_cache.shape[1] * k_cache.shape[2] * d, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d)
-        heads = qkv.view(t, -1, d)
-        return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+        return split_heads(qkv, num_heads, num_kv_heads, d)

@@ -7,7 +7,7 @@ import typer
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from gateway.cli import BackendKind, Dtype, app, build_settings
+from gateway.cli import BackendKind, app, build_settings
 from gateway.config import DEFAULT_MODEL_NAME, Settings, hash_key, load_settings
 from gateway.deployments import build_backend
 
@@ -101,31 +101,35 @@ def test_api_keys_come_from_the_environment_by_name(monkeypatch):
 
 
 def test_serve_options_reach_the_default_deployment():
-    (route,) = build_settings(None, None, Dtype.bfloat16, None, device="cpu").routes()
+    (route,) = build_settings(None, None, dtype="bfloat16", device="cpu").routes()
     assert (route.deployments[0].dtype, route.deployments[0].device) == ("bfloat16", "cpu")
     with pytest.raises(typer.BadParameter, match="device"):
-        build_settings(None, None, None, None, device="gpu7")
-    with pytest.raises(typer.BadParameter, match="--device applies to the native engine only"):
-        build_settings(None, None, None, None, BackendKind.deepspeed, device="cpu")
+        build_settings(None, None, device="gpu7")
+    with pytest.raises(typer.BadParameter, match="--device apply to the native engine only"):
+        build_settings(None, None, None, BackendKind.deepspeed, device="cpu")
+    with pytest.raises(typer.BadParameter, match="--tensor-parallel-size"):
+        build_settings(None, None, None, BackendKind.deepspeed, tensor_parallel_size=2)
+    (route,) = build_settings(None, None, tensor_parallel_size=3).routes()
+    assert route.deployments[0].tensor_parallel_size == 3
 
 
 def test_engine_options_are_refused_where_no_native_deployment_would_use_them(tmp_path):
     path = tmp_path / "remote.yaml"
     path.write_text("models: [{name: r, deployments: [{kind: openai, url: 'http://x/v1'}]}]")
     with pytest.raises(typer.BadParameter, match="no native deployment"):
-        build_settings(path, None, Dtype.float16, None)
+        build_settings(path, None, dtype="float16")
 
 
 def test_model_option_serves_a_local_path(tmp_path, smollm2_path):
-    s = build_settings(None, smollm2_path, None, "mine")
+    s = build_settings(None, smollm2_path, "mine")
     (route,) = s.routes()
     assert route.name == "mine" and route.deployments[0].model_path == str(smollm2_path)
     with pytest.raises(Exception, match="does not exist"):
-        build_settings(None, tmp_path / "missing.gguf", None, None)
+        build_settings(None, tmp_path / "missing.gguf")
 
 
 def test_backend_option_serves_the_model_on_deepspeed_inference():
-    (route,) = build_settings(None, None, Dtype.bfloat16, None, BackendKind.deepspeed).routes()
+    (route,) = build_settings(None, None, None, BackendKind.deepspeed, dtype="bfloat16").routes()
     assert route.name == DEFAULT_MODEL_NAME and route.deployments[0].kind == "deepspeed"
     assert route.deployments[0].dtype == "bfloat16" and route.deployments[0].model_path is None
 

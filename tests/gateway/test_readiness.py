@@ -9,15 +9,15 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.config import DeploymentConfig, ModelRoute, Router, Settings
+from gateway.config import ModelRoute, OpenAIDeployment, Router, Settings
 from gateway.service import Gateway
 from loadtest.mock_server import create_mock_app
 from tests.gateway.test_failover import metric
 from tests.servers import free_port, serve_app
 
 
-def remote(url: str) -> DeploymentConfig:
-    return DeploymentConfig(kind="openai", url=url, upstream_model="mock")
+def remote(url: str) -> OpenAIDeployment:
+    return OpenAIDeployment(kind="openai", url=url, upstream_model="mock")
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def api_schema(fuzz_url):
 
 ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/ready"),
-          ("GET", "/metrics"), ("GET", "/admin/backends")}
+          ("GET", "/metrics"), ("GET", "/admin/backends"), ("GET", "/info")}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

@@ -13,11 +13,12 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from gateway.cli import app as cli
+from gateway.info import describe, devices
 from loadtest.client import RequestOptions, Target
 from loadtest.mock_server import create_mock_app
 from loadtest.runner import RunConfig, run_target
 from loadtest.schedule import Schedule
-from loadtest.workload import synthetic
+from loadtest.workload import load_tokenizer, synthetic
 from tests.conftest import MODEL
 from tests.servers import free_port, serve_app
 
@@ -34,38 +35,47 @@ def mock():
         yield url
 
 
-def test_burst_of_200_with_exact_prompt_counts_and_stored_results(gateway, mock, tmp_path, engine_idle):
-    out, db = tmp_path / "run", tmp_path / "store.sqlite"
-    result = CliRunner().invoke(cli, [
-        "loadtest", "run", "--target", f"{gateway}#{MODEL}", "--target", f"{mock}#mock",
-        "--requests", "200", "--input-len", "12:40", "--output-len", "4", "--out", str(out), "--db", str(db)])
+def test_burst_of_200_with_exact_prompt_counts_stored_and_re_rendered(gateway, mock, tmp_path, engine_idle):
+    runs, db = tmp_path / "runs", tmp_path / "store.sqlite"
+    args = ["loadtest", "run", "--target", f"{gateway}#{MODEL}", "--target", f"{mock}#mock@instant mock",
+            "--requests", "200", "--input-len", "12:40", "--output-len", "4", "--out", str(runs), "--db", str(db)]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    summaries = json.loads((out / "summary.json").read_text())
-    assert [s["model"] for s in summaries] == [MODEL, "mock"]
+    (folder,) = runs.iterdir()  # each run writes its own folder
+    summaries = json.loads((folder / "summary.json").read_text())
+    assert [s["model_id"] for s in summaries] == [MODEL, "mock"]
     native = summaries[0]
     assert native["completed"] == 200 and native["failed"] == 0 and native["total_output_tokens"] == 800
-    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+    assert native["hardware"] == describe(devices()) and summaries[1]["hardware"] == "instant mock"
+    assert native["warmup_requests"] == 4 and native["prompts"].startswith("fresh for this run")  # the defaults
+    assert native["request_goodput"] is None and "model" not in native
+    for key in ("tokenizer_id", "date", "backend", "max_output_tokens_per_s", "mean_client_queue_time_ms",
                 "median_tpot_ms", "std_itl_ms", "p99_e2el_ms"):
         assert key in native
-    # usage.prompt_tokens from the server equals what the workload built, request by request
-    records = [json.loads(line) for line in (out / "requests-0.jsonl").read_text().splitlines()]
-    workload = {i: s.prompt_tokens for i, s in enumerate(_workload())}
-    assert all(r["prompt_tokens"] == workload[r["index"]] for r in records)
-    assert {p.name for p in out.glob("*.png")} >= {"latency_cdf.png", "latency_box.png", "throughput.png"}
+    # usage.prompt_tokens from the server equals what the workload planned, request by request
+    records = [json.loads(line) for line in (folder / "requests-0.jsonl").read_text().splitlines()]
+    assert all(r["prompt_tokens"] == r["planned_prompt_tokens"] for r in records)
+    assert {r["prompt_tokens"] for r in records} <= set(range(12, 41)) and native["prompt_tokens_mismatched"] == 0
+    vllm_files = sorted((folder / "vllm").iterdir())
+    assert len(vllm_files) == 2 and json.loads(vllm_files[0].read_text())["model_id"] == MODEL
+    assert {p.name for p in folder.glob("*.png")} >= {"latency_cdf.png", "latency_box.png", "throughput.png",
+                                                      "throughput_over_time.png", "ttft_over_time.png",
+                                                      "itl_distribution.png"}
+    html = (folder / "report.html").read_text()
+    assert html.count("src='data:image/png;base64,") >= 6 and "src='http" not in html  # self-contained
 
-    report = CliRunner().invoke(cli, ["loadtest", "report", "--db", str(db)])
-    assert report.exit_code == 0 and MODEL in report.output and "mock" in report.output
+    again = CliRunner().invoke(cli, args[:-6] + ["--requests", "3", "--input-len", "8", "--out", str(runs),
+                                                 "--db", str(db), "--no-plots"])
+    assert again.exit_code == 0, again.output
+    assert len(list(runs.iterdir())) == 2 and len(json.loads((folder / "summary.json").read_text())) == 2
+
+    report = CliRunner().invoke(cli, ["loadtest", "report", "--db", str(db), "--out", str(tmp_path / "re")])
+    assert report.exit_code == 0 and MODEL in report.output
+    assert (tmp_path / "re" / "report.html").exists() and (tmp_path / "re" / "latency_box.png").exists()
     board = CliRunner().invoke(cli, ["loadtest", "leaderboard", "--db", str(db), "--json"])
     assert board.exit_code == 0
-    (row,) = json.loads(board.output)
-    assert row["runs"] == 2 and row["fastest_by_throughput"].startswith("mock@")  # the instant server wins
-
-
-def _workload():
-    from backends.native.weights import default_model_path
-    from backends.tokenizer import Tokenizer
-
-    return synthetic(Tokenizer(default_model_path()), 200, (12, 40), 4, seed=0)
+    rows = json.loads(board.output)  # two runs each of two models on two kinds of hardware, two workloads
+    assert len(rows) == 4 and all(r["runs"] == 1 and r["fastest_by_throughput"] for r in rows)
 
 
 def test_closed_loop_concurrency_is_respected(mock):
@@ -99,10 +109,7 @@ def test_several_worker_processes(mock):
 
 
 def _tok():
-    from backends.native.weights import default_model_path
-    from backends.tokenizer import Tokenizer
-
-    return Tokenizer(default_model_path())
+    return load_tokenizer(None)
 
 
 def _broken(mode: str) -> Starlette:
@@ -138,11 +145,3 @@ def test_connection_refused():
     specs = synthetic(_tok(), 3, 8, 3)
     result = asyncio.run(run_target(Target(f"http://127.0.0.1:{free_port()}", "x"), specs, RunConfig()))
     assert result.summary["failures_by_kind"] == {"connection": 3}
-
-
-def test_cli_refuses_bad_options():
-    runner = CliRunner()
-    assert runner.invoke(cli, ["loadtest", "run", "--requests", "1"]).exit_code != 0  # no target
-    assert runner.invoke(cli, ["loadtest", "run", "--target", "nohash", "--requests", "1"]).exit_code != 0
-    bad_len = runner.invoke(cli, ["loadtest", "run", "--target", "http://x#m", "--input-len", "9:3"])
-    assert bad_len.exit_code != 0 and "LOW:HIGH" in bad_len.output

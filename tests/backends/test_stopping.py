@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.stop_strings import StopStringFilter
+from backends.stopping import StopStringFilter
 
 ALPHABET = "ab c"
 

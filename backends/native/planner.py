@@ -1,0 +1,130 @@
+"""Which GPU, and how many: the native engine's memory and speed on a GPU type, before anyone rents one.
+
+For a model (its config only), a dtype, a GPU type from ``GPUS`` (datasheet memory, bandwidth and bf16
+dense peak) and a tensor-parallel size: the weights each GPU holds, the KV bytes per token, how many
+tokens and sequences of a shape the KV cache holds (with the engine's own formula,
+``model_runner.kv_cache_blocks``), and a roofline estimate of decode speed. With no size given, the
+smallest one that fits. The estimate is a ceiling: a decode step cannot be faster than reading its
+weights and KV cache once at the datasheet bandwidth, or computing at the datasheet peak; all-reduce
+traffic between GPUs is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from backends.native.config import DTYPES, ModelConfig
+from backends.native.model_runner import kv_bytes_per_block, kv_cache_blocks, local_config
+from backends.native.parallel import check_tensor_parallel
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    bandwidth_gbs: float  # GB/s
+    bf16_tflops: float  # dense, FP32 accumulate
+
+
+# NVIDIA datasheets (SXM parts where there are several; GeForce and L40S: dense BF16 with FP32 accumulate).
+GPUS = {
+    "rtx3090": GPU("NVIDIA GeForce RTX 3090", 24, 936, 71),
+    "rtx4090": GPU("NVIDIA GeForce RTX 4090", 24, 1008, 165.2),
+    "a800-80g": GPU("NVIDIA A800 80GB SXM", 80, 2039, 312),
+    "a100-40g": GPU("NVIDIA A100 40GB SXM", 40, 1555, 312),
+    "a100-80g": GPU("NVIDIA A100 80GB SXM", 80, 2039, 312),
+    "l40s": GPU("NVIDIA L40S", 48, 864, 362.05),
+    "h100": GPU("NVIDIA H100 SXM", 80, 3350, 989.4),
+    "h200": GPU("NVIDIA H200 SXM", 141, 4800, 989.4),
+}
+TP_SIZES = (1, 2, 4, 8)
+CUDA_CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS workspaces, graph pools: what profiling finds beyond torch
+
+
+def weight_bytes_per_gpu(config: ModelConfig, dtype: torch.dtype, tp: int) -> int:
+    """Bytes of the weights one of ``tp`` GPUs holds (its shards, the replicated parts whole)."""
+    local = local_config(config, tp)
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size // tp
+    q, kv = local.num_heads * d, local.num_kv_heads * d
+    vocab = -(-config.vocab_size // tp) * h * (1 if config.tie_word_embeddings else 2)
+    bias = q + 2 * kv if config.attention_bias else 0
+    layer = (q + 2 * kv) * h + bias + h * q + 3 * inter * h + 2 * h
+    return dtype.itemsize * (vocab + config.num_layers * layer + h)
+
+
+def activation_bytes(config: ModelConfig, dtype: torch.dtype, tp: int, max_num_batched_tokens: int,
+                     max_num_seqs: int) -> int:
+    """An estimate of a step's peak activations at the full token budget (the engine measures it instead)."""
+    local = local_config(config, tp)
+    width = (local.num_heads + 2 * local.num_kv_heads) * config.head_dim + 2 * (config.intermediate_size // tp)
+    return max_num_batched_tokens * (width + 4 * config.hidden_size) * dtype.itemsize + \
+        max_num_seqs * config.vocab_size * 4
+
+
+@dataclass
+class Plan:
+    gpu: str
+    tensor_parallel_size: int
+    fits: bool
+    weights_per_gpu_gib: float
+    kv_bytes_per_token_per_gpu: int
+    kv_tokens: int
+    sequences: int  # of (input_len + output_len) tokens held in the KV cache at once
+    decode_tok_s_batch_1: float
+    decode_tok_s_at_sequences: float
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(config: ModelConfig, gpu_name: str, dtype: str = "bfloat16", tensor_parallel_size: int | None = None,
+         input_len: int = 512, output_len: int = 128, gpu_memory_utilization: float = 0.9, block_size: int = 16,
+         max_num_batched_tokens: int = 2048, max_num_seqs: int = 256) -> Plan:
+    """The plan at ``tensor_parallel_size``, or at the smallest size that fits when it is None."""
+    if gpu_name not in GPUS:
+        raise ValueError(f"unknown GPU {gpu_name!r}; choose one of {', '.join(GPUS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if tensor_parallel_size is not None:
+        check_tensor_parallel(config, tensor_parallel_size)
+        return _plan_at(config, GPUS[gpu_name], gpu_name, DTYPES[dtype], tensor_parallel_size, input_len, output_len,
+                        gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs)
+    plans = []
+    for tp in TP_SIZES:
+        try:
+            check_tensor_parallel(config, tp)
+        except ValueError:
+            continue
+        plans.append(_plan_at(config, GPUS[gpu_name], gpu_name, DTYPES[dtype], tp, input_len, output_len,
+                              gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs))
+        if plans[-1].fits:
+            break
+    return plans[-1]
+
+
+def _plan_at(config: ModelConfig, gpu: GPU, gpu_name: str, dtype: torch.dtype, tp: int, input_len: int,
+             output_len: int, utilization: float, block_size: int, max_num_batched_tokens: int,
+             max_num_seqs: int) -> Plan:
+    weights = weight_bytes_per_gpu(config, dtype, tp)
+    reserve = activation_bytes(config, dtype, tp, max_num_batched_tokens, max_num_seqs) + CUDA_CONTEXT_BYTES
+    budget = int(gpu.memory_gib * 2**30 * utilization) - weights - reserve
+    blocks = kv_cache_blocks(config, block_size, dtype, budget, tp)
+    per_sequence = -(-(input_len + output_len) // block_size)
+    sequences = blocks // per_sequence
+    kv_per_token = kv_bytes_per_block(config, block_size, dtype, tp) // block_size
+    why = "" if sequences else (f"{weights / 2**30:.1f} GiB of weights and {reserve / 2**30:.1f} GiB of activations "
+                                f"per GPU leave no room for one sequence in {gpu.memory_gib:g} GiB x {utilization}")
+
+    def decode_tok_s(batch: int) -> float:
+        if batch == 0:
+            return 0.0
+        context = input_len + output_len // 2  # the average decode step
+        seconds = max((weights + batch * context * kv_per_token) / (gpu.bandwidth_gbs * 1e9),
+                      2 * weights / dtype.itemsize * batch / (gpu.bf16_tflops * 1e12))
+        return batch / seconds
+
+    return Plan(gpu_name, tp, sequences > 0, weights / 2**30, kv_per_token, blocks * block_size, sequences,
+                decode_tok_s(1 if sequences else 0), decode_tok_s(min(sequences, max_num_seqs)), why)

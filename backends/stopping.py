@@ -1,0 +1,79 @@
+"""When generation stops, with vLLM's rules, in one place for every backend.
+
+``StopChecker`` applies them token by token for the engines that sample themselves (the native engine,
+DeepSpeed-Inference): a stop token (EOS unless ``ignore_eos``, or one of ``stop_token_ids``) ends with
+"stop" and its text is left out; then the length limit ends with "length"; stop strings count only in
+text generated after ``min_tokens`` (vLLM: vllm/v1/core/sched/utils.py ``check_stop`` and
+vllm/v1/engine/detokenizer.py). ``StopStringFilter`` cuts text at stop strings for any stream of text
+deltas, also for adapters whose servers keep the stop string in their output (TGI, LightLLM, MII).
+"""
+
+from __future__ import annotations
+
+from backends.base import FinishReason, SamplingParams
+from backends.tokenizer import IncrementalDetokenizer
+
+
+class StopStringFilter:
+    """Holds back the last ``len(longest stop) - 1`` characters, which could be the start of a stop string."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all text so far, cut at the stop string once one is found
+        self.emitted = 0  # characters of ``text`` already returned
+        self.stopped = False
+
+    def push(self, delta: str, search: bool = True) -> tuple[str, bool]:
+        """Add a delta; returns (text safe to emit now, whether a stop string was hit). With ``search``
+        off the delta is only held back: a stop string ending in a later delta may still start in it."""
+        if not self.stop:
+            return delta, False
+        if self.stopped:
+            return "", True
+        search_from = max(len(self.text) - self.hold_back, 0)
+        self.text += delta
+        hits = [at for s in self.stop if (at := self.text.find(s, search_from)) != -1] if search else []
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+            return self._take(len(self.text)), True
+        return self._take(len(self.text) - self.hold_back), False
+
+    def flush(self) -> str:
+        """Whatever is held back, at the end of generation."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted:upto]
+        self.emitted = upto
+        return delta
+
+
+class StopChecker:
+    """The stop rules for one sequence, fed one sampled token at a time."""
+
+    def __init__(self, params: SamplingParams, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int],
+                 max_tokens: int, max_model_len: int) -> None:
+        """``max_tokens`` is the request's, resolved (what the context leaves when it gave none)."""
+        self.min_tokens = params.min_tokens
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.detokenizer = detokenizer
+        self.strings = StopStringFilter(params.stop)
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.num_output = 0
+
+    def add(self, token_id: int, num_tokens: int) -> tuple[str, FinishReason | None]:
+        """(text to emit, finish reason or None) after ``token_id``; ``num_tokens``: prompt + output now."""
+        self.num_output += 1
+        if token_id in self.stop_token_ids:  # the sampler masked these until min_tokens
+            return self.strings.flush(), "stop"
+        text, hit = self.strings.push(self.detokenizer.add(token_id), search=self.num_output > self.min_tokens)
+        if hit:
+            return text, "stop"
+        if self.num_output >= self.max_tokens or num_tokens >= self.max_model_len:
+            return text + self.strings.flush(), "length"
+        return text, None

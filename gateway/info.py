@@ -1,0 +1,133 @@
+"""``GET /info``: the machine this gateway serves from and what each deployment runs, for ops and load tests.
+
+Devices come from the OS (CPU, RAM) and NVML (GPUs; torch.cuda when NVML is missing). Deployment
+settings are dumped generically from their configuration objects, with secrets left out, so a new
+backend kind or setting shows up here without code changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from collections import Counter
+from typing import Any
+
+from pydantic import BaseModel
+
+_SECRET_NAMES = ("api_key", "key", "secret", "password", "token", "authorization", "sha256")
+
+
+def devices() -> list[dict[str, Any]]:
+    """The CPU (logical cores, RAM) and the GPUs grouped by name (count, memory per device, bytes)."""
+    cpu = {"kind": "cpu", "name": cpu_model(), "count": os.cpu_count() or 1,
+           "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    gpus = Counter(_nvml_gpus() or _torch_gpus())
+    return [cpu] + [{"kind": "cuda", "name": name, "count": count, "memory_bytes": memory}
+                    for (name, memory), count in gpus.items()]
+
+
+def describe(devs: list[dict[str, Any]]) -> str:
+    """One line naming the accelerators, else the CPU: ``2x NVIDIA H100 80GB HBM3`` or ``cpu: 16x AMD EPYC``."""
+    gpus = [d for d in devs if d["kind"] != "cpu"]
+    if gpus:
+        return " + ".join(f"{d['count']}x {d['name']}" for d in gpus)
+    cpu = devs[0]
+    return f"cpu: {cpu['count']}x {cpu['name']}"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvml_gpus() -> list[tuple[str, int]]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return [(_text(pynvml.nvmlDeviceGetName(h)), int(pynvml.nvmlDeviceGetMemoryInfo(h).total)) for h in handles]
+    except Exception:  # no library, no driver, or no GPU
+        return []
+
+
+def _torch_gpus() -> list[tuple[str, int]]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+        return [(p.name, int(p.total_memory)) for p in props]
+    except Exception:
+        return []
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def public_settings(obj: Any) -> Any:
+    """A pydantic model or dataclass (nested in dicts and lists) as plain JSON data without secrets."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return {k: public_settings(v) for k, v in obj.items() if not _is_secret(str(k))}
+    if isinstance(obj, (list, tuple)):
+        return [public_settings(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)  # paths and enums
+
+
+def _is_secret(name: str) -> bool:
+    name = name.lower()
+    return any(name == s or name.endswith("_" + s) for s in _SECRET_NAMES)
+
+
+def deployment_info(deployment) -> dict[str, Any]:
+    """A deployment's kind, its configured settings, and an in-process engine's running settings."""
+    config = getattr(deployment, "config", None)
+    backend = deployment.backend
+    kind = getattr(config, "kind", None) or backend.name.split(":", 1)[0]
+    out: dict[str, Any] = {"name": deployment.name, "kind": kind,
+                           "settings": public_settings(config) if config is not None else {}}
+    engine = _engine_config(backend)
+    if engine is not None:
+        out["engine"] = public_settings(engine)
+    return out
+
+
+def _engine_config(backend) -> Any:
+    """The settings an in-process engine actually runs with (it may be shared, or built outside the config)."""
+    try:
+        engine = getattr(backend, "engine", None)
+    except Exception:  # not started yet: what it will be started with
+        engine = None
+    if engine is not None and hasattr(engine, "settings"):
+        return engine.settings()
+    return getattr(engine, "config", None) or getattr(backend, "config", None)
+
+
+def server_info(gateway) -> dict[str, Any]:
+    """The body of ``GET /info``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        burstgate = version("burstgate")
+    except PackageNotFoundError:
+        burstgate = None
+    devs = devices()
+    return {"server": "burstgate", "version": burstgate, "hardware": describe(devs), "devices": devs,
+            "models": [{"name": g.name, "routing": g.strategy,
+                        "deployments": [deployment_info(d) for d in g.deployments]}
+                       for g in gateway.groups.values()]}

@@ -1,0 +1,198 @@
+"""One ``loadtest run``: every target at every sweep point, each measurement on prompts of its own.
+
+Per target, before measuring: the server's hardware (its ``GET /info``, or declared as
+``URL#MODEL@HARDWARE``), and who counts prompt tokens (the server's ``/tokenize``, else the target's local
+tokenizer). Per target and point: fresh prompts fitted to the asked lengths as that target counts them,
+and a warm-up on other prompts of the same shape. Prompts are salted per target and per point (a server's
+prefix cache never serves a repeat) and per run unless ``seed`` is given, which makes the run reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from loadtest.client import Target
+from loadtest.metrics import RequestRecord
+from loadtest.runner import RunConfig, TargetResult, run_target
+from loadtest.schedule import Schedule
+from loadtest.workload import (
+    LocalCounter,
+    PromptCounter,
+    RequestSpec,
+    ServerCounter,
+    fit,
+    from_file,
+    load_tokenizer,
+    paper_preset,
+    synthetic,
+)
+
+Length = int | tuple[int, int]
+Progress = Callable[[str, int], Callable[[RequestRecord | None], None]]
+
+
+@dataclass
+class Workload:
+    """The shape of the requests every target gets: synthetic lengths, the paper's preset, or a dataset."""
+
+    requests: int
+    input_len: Length
+    output_len: Length
+    dataset: Path | None = None
+    prefix_len: int = 0
+    num_prefixes: int = 1
+    paper: bool = False  # arXiv 2311.03687: 1000 x 512 tokens, burst, fixed output
+
+    def build(self, tokenizer, seed: int) -> list[RequestSpec]:
+        if self.paper:
+            return paper_preset(tokenizer, self.output_len, self.requests, seed)
+        if self.dataset is not None:
+            fixed = self.output_len if isinstance(self.output_len, int) else None
+            return from_file(self.dataset, tokenizer, self.requests, fixed, seed)
+        return synthetic(tokenizer, self.requests, self.input_len, self.output_len, seed, self.prefix_len,
+                         self.num_prefixes)
+
+    def warmup(self, tokenizer, seed: int, n: int, measured: list[RequestSpec]) -> list[RequestSpec]:
+        """``n`` other prompts of the measured shape (for a dataset: its median lengths)."""
+        if n == 0:
+            return []
+        if self.dataset is None:
+            return synthetic(tokenizer, n, self.input_len, self.output_len, seed)
+        length = max(1, int(statistics.median(s.prompt_tokens for s in measured)))
+        return synthetic(tokenizer, n, length, int(statistics.median(s.max_tokens for s in measured)), seed)
+
+    def describe(self) -> str:
+        if self.paper:
+            return f"paper preset n={self.requests} in=512 out={_text(self.output_len)}"
+        if self.dataset is not None:
+            return f"dataset={self.dataset.name} n={self.requests} out={_text(self.output_len)}"
+        desc = f"synthetic n={self.requests} in={_text(self.input_len)} out={_text(self.output_len)}"
+        return desc + (f" prefix={self.prefix_len}x{self.num_prefixes}" if self.prefix_len else "")
+
+
+@dataclass
+class Session:
+    targets: list[Target]
+    workload: Workload
+    points: list[RunConfig]
+    warmup: int = 4  # requests per target and point, before the timed window
+    seed: int | None = None  # None: fresh prompts every run
+
+
+async def run_session(session: Session, progress: Progress | None = None,
+                      warn: Callable[[str], None] = lambda _: None) -> list[TargetResult]:
+    """Measure every target at every point, one after another."""
+    base_seed = session.seed if session.seed is not None else secrets.randbits(32)
+    tokenizers = {path: load_tokenizer(path) for path in {t.tokenizer for t in session.targets}}
+    results = []
+    for i, target in enumerate(session.targets):
+        tokenizer = tokenizers[target.tokenizer]
+        endpoint = session.points[0].request.endpoint
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            hardware, source, info = await server_hardware(http, target, warn)
+            counter = await prompt_counter(http, target, endpoint == "chat", tokenizer)
+            for j, cfg in enumerate(session.points):
+                seed = prompt_seed(base_seed, i, j)
+                specs = await fit(session.workload.build(tokenizer, seed), counter,
+                                  exact=session.workload.dataset is None)
+                warm = session.workload.warmup(tokenizer, prompt_seed(base_seed, i, j, 1), session.warmup, specs)
+                cfg = replace(cfg, seed=seed)
+                on_done = progress(f"{target.label}{point_desc(cfg)}", len(specs)) if progress else None
+                result = await run_target(target, specs, cfg, on_done, warm,
+                                          lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+                result.summary.update(
+                    hardware=hardware, hardware_source=source, date=_now(),
+                    tokenizer_id=str(target.tokenizer or "SmolLM2-135M-Instruct (embedded)"),
+                    prompt_lengths_counted_by=counter.name, endpoint=endpoint,
+                    backend="openai-chat" if endpoint == "chat" else "openai",
+                    ignore_eos=cfg.request.ignore_eos, temperature=cfg.request.temperature,
+                    workload=session.workload.describe(), point=point_desc(cfg), prompt_seed=seed,
+                    prompts=_prompts_note(session))
+                result.server_info = info
+                results.append(result)
+    return results
+
+
+async def server_hardware(http: aiohttp.ClientSession, target: Target,
+                          warn: Callable[[str], None]) -> tuple[str, str, dict | None]:
+    """(hardware, where it came from, the server's /info) for the leaderboard: declared wins over reported."""
+    info = await server_info(http, target)
+    reported = info.get("hardware") if info else None
+    if target.hardware:
+        if reported and reported != target.hardware:
+            warn(f"{target.label}: declared hardware {target.hardware!r}, the server reports {reported!r}")
+        return target.hardware, "declared", info
+    if reported:
+        return reported, "server /info", info
+    warn(f"{target.label}: the server does not report its hardware; declare it as URL#MODEL@HARDWARE "
+         "so its runs rank with their peers")
+    return "unknown", "unknown", info
+
+
+async def server_info(http: aiohttp.ClientSession, target: Target) -> dict | None:
+    """A burstgate server's ``GET /info`` (devices, deployments); None from other servers."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        async with http.get(f"{target.url}/info", headers=headers) as r:
+            info = await r.json() if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return info if isinstance(info, dict) and "devices" in info else None
+
+
+async def prompt_counter(http: aiohttp.ClientSession, target: Target, chat: bool, tokenizer) -> PromptCounter:
+    """The server's /tokenize when it answers, else the target's local tokenizer."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    server = ServerCounter(http, target.url, target.model, chat, headers)
+    if await server.works():
+        return server
+    return LocalCounter(tokenizer, chat, f"local tokenizer {target.tokenizer or 'SmolLM2-135M-Instruct (embedded)'}")
+
+
+def prompt_seed(base: int, target: int, point: int, purpose: int = 0) -> int:
+    return int(np.random.SeedSequence([base, target, point, purpose]).generate_state(1)[0])
+
+
+def point_desc(cfg: RunConfig) -> str:
+    desc = f" schedule={cfg.schedule.value}"
+    if cfg.schedule is not Schedule.burst:
+        desc += f" rate={cfg.rate:g}"
+    if cfg.schedule is Schedule.gamma:
+        desc += f" burstiness={cfg.burstiness:g}"
+    if cfg.concurrency:
+        desc += f" concurrency={cfg.concurrency}"
+    if cfg.duration_s:
+        desc += f" duration={cfg.duration_s:g}s"
+    return desc
+
+
+def workload_key(summary: dict, cfg: RunConfig) -> str:
+    """What the leaderboard compares like with like on: endpoint, shape, output rule, sampling and load."""
+    key = f"{summary['endpoint']} {summary['workload']} ignore_eos={summary['ignore_eos']}"
+    if summary["temperature"] is not None:
+        key += f" temperature={summary['temperature']:g}"
+    return key + point_desc(cfg)
+
+
+def _prompts_note(session: Session) -> str:
+    if session.workload.dataset is not None:  # a dataset's prompts are what they are: only their order changes
+        return "the dataset's, shuffled per target and point (a prefix cache may serve repeats)"
+    fresh = "reproducible from --seed" if session.seed is not None else "fresh for this run"
+    return fresh + ", distinct per target and point"
+
+
+def _now() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _text(length: Length) -> str:
+    return str(length) if isinstance(length, int) else f"{length[0]}:{length[1]}"
