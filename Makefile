@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-peers test-cuda install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test soak test-peers test-cuda install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -35,6 +35,13 @@ serve: install
 
 test: install-dev redis
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The long soak: 10,000 requests streamed, folded and abandoned against `burstgate serve` with no config;
+# RSS, descriptors, asyncio tasks and KV cache before and after go to benchmarks/results/soak.json.
+SOAK_REQUESTS ?= 10000
+soak: install-dev
+	BURSTGATE_SOAK_REQUESTS=$(SOAK_REQUESTS) $(PY) -m pytest -q -p no:cacheprovider -s --timeout=0 \
+		tests/gateway/test_soak.py -k embedded_default
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks

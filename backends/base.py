@@ -10,10 +10,12 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -116,11 +118,18 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures under 1e-5 are greedy, as in vLLM (``SamplingParams.sampling_type``): dividing by
+        them overflows the logits."""
+        return self.temperature < SAMPLING_EPS
 
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+# The X-Request-Id of the HTTP request being served (set by the gateway for the request's task and the
+# tasks it starts): HTTP backends forward it upstream, so one id follows a request through every server.
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 
 
 @dataclass

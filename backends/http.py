@@ -14,6 +14,7 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backends.base import (
+    REQUEST_ID,
     BackendError,
     BackendTimeoutError,
     InvalidRequestError,
@@ -24,14 +25,27 @@ from backends.base import (
 ENV_REFERENCE = "os.environ/"  # LiteLLM's form for a secret read from the environment
 
 
+def from_environment(name: str, what: str) -> str:
+    """The value of the environment variable ``name``, which a config names for ``what``."""
+    if name not in os.environ:
+        raise ValueError(f"the environment variable {name} named for {what} is not set")
+    return os.environ[name]
+
+
+def env_reference(value: str) -> str | None:
+    """The variable named by ``value`` if it is an ``os.environ/NAME`` reference, else None."""
+    return value.removeprefix(ENV_REFERENCE) if value.startswith(ENV_REFERENCE) else None
+
+
 class RemoteConfig(BaseModel):
     """How to reach a model server over HTTP."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # errors never echo a key
 
     url: str
     upstream_model: str | None = None  # the name the server knows the model by; default: the public name
-    api_key: str | None = None  # or "os.environ/NAME": read from the environment when the config loads
+    # or "os.environ/NAME": read from the environment when the config loads; never in a repr
+    api_key: str | None = Field(None, repr=False)
     api_key_env: str | None = None  # the name of an environment variable holding the key
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
@@ -41,13 +55,9 @@ class RemoteConfig(BaseModel):
         """Keys mounted from a secret into the environment, never written in the config file."""
         if self.api_key_env and self.api_key:
             raise ValueError("give api_key or api_key_env, not both")
-        name = self.api_key_env
-        if self.api_key and self.api_key.startswith(ENV_REFERENCE):
-            name = self.api_key.removeprefix(ENV_REFERENCE)
+        name = self.api_key_env or (env_reference(self.api_key) if self.api_key else None)
         if name is not None:
-            if name not in os.environ:
-                raise ValueError(f"the environment variable {name} named for the api key is not set")
-            self.api_key, self.api_key_env = os.environ[name], None
+            self.api_key, self.api_key_env = from_environment(name, "the api key"), None
         return self
 
 
@@ -104,13 +114,14 @@ class HTTPClient:
         """The whole answer; transport failures raised as our errors."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         async with transport_errors(self.name), self._client().request(
-                method, self._url(path), json=json, timeout=timeout) as r:
+                method, self._url(path), json=json, timeout=timeout, headers=_request_id_header()) as r:
             return Reply(r.status, await r.read(), r.headers)
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, path: str, json: Any = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """The response with its body unread (``lines`` reads it); wrap the reading in ``transport_errors``."""
-        async with transport_errors(self.name), self._client().request(method, self._url(path), json=json) as r:
+        async with transport_errors(self.name), self._client().request(
+                method, self._url(path), json=json, headers=_request_id_header()) as r:
             yield r
 
     async def ok(self, path: str, timeout_s: float = 5.0) -> bool:
@@ -124,6 +135,12 @@ class HTTPClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _request_id_header() -> dict[str, str] | None:
+    """The served request's id for the upstream (vLLM takes it as its own request id)."""
+    request_id = REQUEST_ID.get()
+    return {"X-Request-Id": request_id} if request_id else None
 
 
 @contextlib.asynccontextmanager

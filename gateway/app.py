@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,8 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError
 from gateway import errors
-from gateway.config import hash_key
-from gateway.errors import GatewayError, sse_error_event
+from gateway import response_models as schemas
+from gateway.access_log import RequestIdMiddleware
+from gateway.auth import KeyRing, bearer_token
+from gateway.errors import BodyTooLarge, ClientDisconnected, sse_error_event
 from gateway.info import server_info
 from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, ResponseWriter
@@ -41,38 +42,39 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     app.state.gateway = gateway
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
-    keys = {k.sha256: k for k in gateway.settings.api_keys}
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so even a 413 carries the id
+    client_keys, admin_keys = KeyRing(gateway.settings.api_keys), KeyRing(gateway.settings.admin_api_keys)
+    guarded = bool(client_keys or admin_keys)
 
     async def authenticate(request: Request) -> Caller:  # async: no threadpool hop per request
-        if not keys:
+        if not client_keys:
             return ANONYMOUS
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        key = client_keys.match(bearer_token(request))
+        if key is None:
             raise errors.unauthorized()
-        digest = hash_key(token.strip())
-        # Compare against every key in constant time, so timing reveals nothing about near-misses.
-        match = None
-        for stored, key in keys.items():
-            if hmac.compare_digest(stored, digest):
-                match = key
-        if match is None:
-            raise errors.unauthorized()
-        return Caller(match.name, KeyLimits(match.requests_per_minute, match.tokens_per_minute))
+        return Caller(key.name, KeyLimits(key.requests_per_minute, key.tokens_per_minute))
+
+    async def authenticate_admin(request: Request) -> None:
+        """Admin routes take admin keys only; with no key configured at all, nothing is guarded."""
+        if guarded and admin_keys.match(bearer_token(request)) is None:
+            raise errors.unauthorized("Invalid or missing admin API key." if admin_keys else
+                                      "Admin routes are disabled: no admin_api_keys are configured.")
 
     async def metrics_auth(request: Request) -> None:
-        if gateway.settings.protect_metrics:
-            await authenticate(request)
+        if gateway.settings.protect_metrics and guarded:
+            token = bearer_token(request)
+            if client_keys.match(token) is None and admin_keys.match(token) is None:
+                raise errors.unauthorized()
 
     # -------------------------------------------------------------------------------- generation
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post("/v1/chat/completions", tags=["openai"], responses=schemas.generation(schemas.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
         gen = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", body.model, params,
                                 messages=body.template_messages(), stream=body.stream)
         return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=True))
 
-    @app.post("/v1/completions", tags=["openai"])
+    @app.post("/v1/completions", tags=["openai"], responses=schemas.generation(schemas.Completion))
     async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
         params = body.to_sampling_params()
         gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt(),
@@ -86,10 +88,8 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         stream = gateway.generate(group, gen, caller)
         if not body.stream:
             return await _until_disconnect(request, _fold(stream, writer))
-        try:
-            first = await anext(stream)  # errors before the first token keep their HTTP status
-        except StopAsyncIteration:
-            first = None
+        try:  # errors before the first token keep their HTTP status; a client gone by then aborts the work
+            first = await _until_disconnect(request, _first(stream))
         except BaseException:
             await stream.aclose()
             raise
@@ -97,7 +97,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------------------------- models
-    @app.get("/v1/models", tags=["openai"])
+    @app.get("/v1/models", tags=["openai"], responses=schemas.ok(schemas.ModelList))
     async def list_models(_: Caller = Depends(authenticate)):
         data = []
         for name, group in gateway.groups.items():
@@ -120,7 +120,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
             return next(iter(gateway.groups.values()))
         return gateway.group(model)
 
-    @app.post("/tokenize", tags=["vllm"])
+    @app.post("/tokenize", tags=["vllm"], responses=schemas.ok(schemas.TokenizeResponse, 404, 502, 503, 504))
     async def tokenize(body: TokenizeRequest, _: Caller = Depends(authenticate)):
         group = _tokenizer_group(body.model)
         backend = group.choose().backend
@@ -132,18 +132,19 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
             out["token_strs"] = [await backend.detokenize([i]) for i in ids]
         return out
 
-    @app.post("/detokenize", tags=["vllm"])
+    @app.post("/detokenize", tags=["vllm"], responses=schemas.ok(schemas.DetokenizeResponse, 404, 502, 503, 504))
     async def detokenize(body: DetokenizeRequest, _: Caller = Depends(authenticate)):
         backend = _tokenizer_group(body.model).choose().backend
         return {"prompt": await backend.detokenize(body.tokens)}
 
     # ------------------------------------------------------------------------------ operations
-    @app.get("/health", tags=["operations"])
+    @app.get("/health", tags=["operations"], responses=schemas.ok(schemas.Health))
     async def health():
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/ready", tags=["operations"])
+    @app.get("/ready", tags=["operations"],
+             responses={**schemas.ok(schemas.Readiness, 404), 503: {"model": schemas.Readiness}})
     async def ready(model: str | None = None):
         """Readiness: this gateway can serve at least one model (a healthy deployment, or a fallback
         with one), so one model's outage never pulls the pod out of its Service. ``?model=NAME`` asks
@@ -153,17 +154,18 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         ok = any(state.values())
         return JSONResponse({"ready": ok, "models": state}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get("/metrics", tags=["operations"], responses={**schemas.COMMON, 200: {
+        "description": "Prometheus' text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics(_: None = Depends(metrics_auth)):
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/info", tags=["operations"])
+    @app.get("/info", tags=["operations"], responses=schemas.ok(schemas.ServerInfo))
     async def info_route(_: Caller = Depends(authenticate)):
         """The server's devices and, per model, each deployment's kind and engine settings (no secrets)."""
         return server_info(gateway)
 
-    @app.get("/admin/backends", tags=["operations"])
-    async def admin_backends(_: Caller = Depends(authenticate)):
+    @app.get("/admin/backends", tags=["operations"], responses=schemas.ok(schemas.Backends))
+    async def admin_backends(_: None = Depends(authenticate_admin)):
         return {"models": [{"name": g.name, "routing": g.strategy, "fallbacks": g.fallbacks, "deployments": [
             {"name": d.name, "backend": d.backend.name, "healthy": d.healthy, "weight": d.weight,
              "breaker": d.breaker.state.name.lower(), "consecutive_failures": d.breaker.consecutive_failures,
@@ -180,6 +182,11 @@ async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
         async for chunk in chunks:
             folded.extend(chunk)
     return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
+
+
+async def _first(stream: AsyncIterator):
+    """The stream's first item, or None when it is empty."""
+    return await anext(stream, None)
 
 
 async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usage: bool,
@@ -210,19 +217,21 @@ async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _until_disconnect(request: Request, work) -> Response:
-    """Run ``work``, cancelling it if the client disconnects first (vLLM's ``with_cancellation``)."""
+async def _until_disconnect(request: Request, work):
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``ClientDisconnected``
+    raised (vLLM's ``with_cancellation``)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return Response(status_code=499)  # nobody is listening; the status is for logs only
+        if not task.done():  # the client left (or we are cancelled ourselves): stop the work, and wait for it
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -250,8 +259,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise GatewayError(413, f"Request body exceeds the limit of {self.limit} bytes.",
-                                       type="invalid_request_error", code="request_too_large")
+                    raise BodyTooLarge(self.limit)
             return message
 
         return await self.app(scope, limited_receive, send)

@@ -13,6 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from backends.native.planner import GPUS
+from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
 
@@ -118,6 +119,7 @@ def app_from_env():
     from gateway.service import Gateway
 
     args = json.loads(os.environ[_SERVE_ENV])
+    configure_logging(args[5], args[6])  # a spawned worker starts with no logging configuration
     settings = build_settings(*(Path(a) if a else None for a in args[:2]), args[2], BackendKind(args[3]), **args[4])
     return create_app(Gateway.from_settings(settings))
 
@@ -140,12 +142,16 @@ def serve(
                                                              "model across N processes (GPUs on CUDA).")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
+    log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
+                                                  "included), with the request's X-Request-Id.")] = "text",
 ) -> None:
     """Start the gateway. With no options: SmolLM2-135M-Instruct on the native engine, in-process."""
     import uvicorn
 
+    from gateway.http_server import uvicorn_options
+
     log_level = log_level.value
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level, log_format)
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size}
     try:
@@ -154,16 +160,18 @@ def serve(
         raise typer.BadParameter(str(exc), param_hint="--config / BURSTGATE_*") from None
     names = ", ".join(r.name for r in settings.routes())
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
+    options = uvicorn_options(settings.server)
     if workers > 1:
         os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
-                                             served_model_name, backend.value, engine_options])
+                                             served_model_name, backend.value, engine_options, log_level,
+                                             log_format])
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level)
+                    log_level=log_level, **options)
         return
     from gateway.app import create_app
     from gateway.service import Gateway
 
-    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level, **options)
 
 
 

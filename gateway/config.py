@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backends.deepspeed_inference import DeepSpeedConfig
-from backends.http import RemoteConfig, TextServerConfig
+from backends.http import RemoteConfig, TextServerConfig, env_reference, from_environment
 from backends.mii import MIIConfig
 from backends.native.config import EngineConfig
 from gateway.routing import Strategy
@@ -101,20 +101,26 @@ class Router(_Strict):
 
 
 class ApiKey(_Strict):
-    """A client key. Give ``key`` (hashed at load, never kept) or its ``sha256`` hex digest."""
+    """A key. Give ``key`` (hashed at load, never kept; ``os.environ/NAME`` reads it from the environment)
+    or its ``sha256`` hex digest. Rate limits apply to client keys."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # a config error never echoes a key
 
     name: str = "default"
-    key: str | None = None
-    sha256: str | None = None
+    key: str | None = Field(None, repr=False)
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _hash_now(self) -> ApiKey:
         if self.key is not None:
-            self.sha256, self.key = hash_key(self.key), None
+            name = env_reference(self.key)
+            key = from_environment(name, f"API key {self.name!r}") if name else self.key
+            self.sha256, self.key = hash_key(key), None
         if not self.sha256:
             raise ValueError("an API key needs key or sha256")
+        self.sha256 = self.sha256.lower()
         return self
 
 
@@ -123,15 +129,32 @@ class Limits(_Strict):
     redis_url: str | None = None  # shared rate-limit counters when several replicas run
 
 
+class Server(_Strict):
+    """The HTTP server's limits against slow, huge and idle clients (gateway/http_server.py)."""
+
+    # from a request's first byte (or the connection's opening) until its whole body is in: slow headers
+    # and bodies end with 408 instead of holding a connection for ever (uvicorn itself never times them out)
+    request_timeout_s: float = Field(30.0, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)  # idle time allowed between two requests (uvicorn's)
+    max_header_bytes: int = Field(65_536, ge=1024)  # request line and headers together; over it: 431
+    # open connections; at the cap a new one closes the longest-idle one, or gets 503 when none is idle
+    max_connections: int = Field(4096, ge=1)
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="BURSTGATE_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="BURSTGATE_", env_nested_delimiter="__", extra="forbid",
+                                      hide_input_in_errors=True)  # errors name the field, never echo a key
 
     models: list[ModelRoute] = Field(default_factory=list)
-    api_keys: list[ApiKey] = Field(default_factory=list)
-    api_key: str | None = None  # shorthand for one unnamed key without limits (like VLLM_API_KEY)
-    protect_metrics: bool = False  # require a key on /metrics too
+    api_keys: list[ApiKey] = Field(default_factory=list)  # client keys: /v1/*, /tokenize, /detokenize
+    api_key: str | None = Field(None, repr=False)  # shorthand for one unnamed key without limits (like VLLM_API_KEY)
+    # /admin/* takes only these (never a client key); with no key of either kind configured, nothing is guarded
+    admin_api_keys: list[ApiKey] = Field(default_factory=list)
+    admin_api_key: str | None = Field(None, repr=False)  # shorthand for one admin key (BURSTGATE_ADMIN_API_KEY)
+    protect_metrics: bool = False  # require a key (client or admin) on /metrics too
     limits: Limits = Field(default_factory=Limits)
     router: Router = Field(default_factory=Router)
+    server: Server = Field(default_factory=Server)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -143,6 +166,11 @@ class Settings(BaseSettings):
         if self.api_key:
             self.api_keys = [*self.api_keys, ApiKey(name="default", key=self.api_key)]
             self.api_key = None
+        if self.admin_api_key:
+            self.admin_api_keys = [*self.admin_api_keys, ApiKey(name="admin", key=self.admin_api_key)]
+            self.admin_api_key = None
+        if {k.sha256 for k in self.api_keys} & {k.sha256 for k in self.admin_api_keys}:
+            raise ValueError("admin_api_keys must differ from the client api_keys")
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError("model names must be unique")

@@ -11,7 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.base import (
@@ -34,6 +34,19 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its answer began; the work was cancelled (answered 499, for logs only)."""
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """A body found over the limit while it streams in (chunked). An ``HTTPException`` because FastAPI
+    re-raises those from body parsing, where any other exception becomes a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413)
+        self.limit = limit
 
 
 def unauthorized(message: str = "Invalid or missing API key.") -> GatewayError:
@@ -113,12 +126,38 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request.", param
 
 
+def _document_400_not_422(app: FastAPI) -> None:
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def install(app: FastAPI) -> None:
-    """Register the handlers that turn every failure into the OpenAI error shape."""
+    """Register the handlers that turn every failure into the OpenAI error shape, and take FastAPI's
+    422 out of the OpenAPI document (validation errors are 400 here)."""
+    _document_400_not_422(app)
 
     @app.exception_handler(GatewayError)
     async def _gateway(_: Request, exc: GatewayError):
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, __: ClientDisconnected):
+        return Response(status_code=499)  # nobody is listening: nginx's "client closed request", for logs
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_: Request, exc: BodyTooLarge):
+        return error_response(body_too_large(exc.limit))
 
     @app.exception_handler(BackendError)
     async def _backend(_: Request, exc: BackendError):

@@ -6,9 +6,11 @@ In-process engines' live figures are read at scrape time by a collector, never c
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -47,6 +49,11 @@ class GatewayMetrics:
                                    ("backend",), registry=r)
         self.rate_limited = Counter("burstgate:rate_limited_requests", "Requests refused by a key's limit.",
                                     ("key",), registry=r)
+        # Leaks show here first (the soak suite reads them): memory and descriptors of the process, and the
+        # asyncio tasks alive in the serving loop.
+        ProcessCollector(registry=r)
+        Gauge("burstgate:asyncio_tasks", "asyncio tasks alive in the serving loop.",
+              registry=r).set_function(_asyncio_tasks)
 
     def watch_engines(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         """Export the live figures of in-process engines; ``engines`` yields (model, backend, stats)."""
@@ -56,6 +63,13 @@ class GatewayMetrics:
     def watch_models(self, models: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Export each model's readiness (as ``/ready?model=`` answers it); ``models`` yields (model, ready)."""
         self.registry.register(_ModelCollector(models))
+
+
+def _asyncio_tasks() -> float:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # scraped outside the serving loop
+        return math.nan
 
 
 class _ModelCollector(Collector):

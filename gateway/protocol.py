@@ -39,7 +39,7 @@ class _Sampling(_Request):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int64 | None = None  # a tensor value in the sampler
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False

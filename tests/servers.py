@@ -21,11 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app, timeout: float = 120.0) -> Iterator[str]:
-    """Run an ASGI app under uvicorn on a free loopback port; yields its base URL."""
+def serve_app(app, timeout: float = 120.0, **options) -> Iterator[str]:
+    """Run an ASGI app under uvicorn (``options`` for its ``Config``) on a free loopback port; yields its
+    base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -4,6 +4,10 @@ Callers never touch the engine: they post add/abort commands to a thread-safe in
 outputs on an ``asyncio.Queue`` fed with ``call_soon_threadsafe`` once per step. Closing a caller's
 iterator (client gone, task cancelled) posts an abort, so the sequence's KV blocks are freed at the
 next step boundary.
+
+If the engine thread itself dies (an error outside a step, one that is not an ``Exception``, or any
+step error once a tensor-parallel worker is gone), the backend is dead for good: ``dead`` holds the cause, every caller's stream ends with ``UnavailableError``
+(503), new requests are refused with it, and ``alive`` turns false so health checks mark it down.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from backends.base import GenerationChunk, SamplingParams, UpstreamError
+from backends.base import GenerationChunk, SamplingParams, UnavailableError, UpstreamError
 from backends.native.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -42,14 +46,14 @@ class AsyncEngine:
                        ) -> AsyncIterator[GenerationChunk]:
         """Chunks of one request as they are produced; raises ``InvalidRequestError`` up front (the one
         validation a request gets)."""
-        if self.dead is not None:
-            raise UpstreamError(f"native engine stopped: {self.dead}")
+        self._raise_if_dead()
         self.engine.check_request(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._post(("add", request_id, prompt_ids, params))
         finished = False
         try:
+            self._raise_if_dead()  # again: the thread may have died, and failed every stream, meanwhile
+            self._post(("add", request_id, prompt_ids, params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -62,6 +66,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._post(("abort", request_id))
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise UnavailableError(f"native engine thread died: {self.dead!r}")
 
     @property
     def alive(self) -> bool:
@@ -78,6 +86,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.critical("native engine thread died; failing every request", exc_info=exc)
+            self._die(exc)
+
+    def _loop(self) -> None:
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_unfinished():
@@ -87,9 +102,9 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug or OOM: fail every request, keep serving new ones
-                log.exception("engine step failed")
                 if not self.engine.alive:  # a tensor-parallel worker died: nothing more can run
-                    self.dead = exc
+                    raise
+                log.exception("engine step failed")
                 self._fail_all(UpstreamError(f"engine step failed: {exc}"))
                 continue
             self._deliver(outputs)
@@ -129,6 +144,19 @@ class AsyncEngine:
         for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
             self._send(request_id, exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead first (``generate`` checks it after registering), then end every stream
+        and free what the engine still holds, as far as it still can."""
+        self.dead = exc
+        error = UnavailableError(f"native engine thread died: {exc!r}")
+        for request_id in list(self._streams):
+            self._send(request_id, error)
+        for request_id in self.engine.request_ids():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine's own state may be what broke
+                log.exception("could not abort %s after the engine thread died", request_id)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:

@@ -16,6 +16,7 @@ import torch
 from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
+from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
 from backends.native.sampler import sample, token_logprobs
 from backends.native.scheduler import Scheduler, Update
@@ -33,8 +34,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
         """Load the model named by ``config``; pass ``tokenizer`` to reuse one already loaded."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads, source = resolve_num_threads(config.num_threads)
+        self.num_threads = threads
+        torch.set_num_threads(threads)
+        log.info("native engine: %d CPU threads (%s)", threads, source)
         model_path = Path(config.model_path) if config.model_path else default_model_path()
         self.model_path = model_path
         checkpoint = open_checkpoint(model_path, config.hf_overrides)
@@ -84,10 +87,11 @@ class LLMEngine:
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty: it must contain at least one token.", param="prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
-                                      param="prompt")
+        for param, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
+                                          param=param)
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         total = len(prompt_ids) + max_tokens
         if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
@@ -163,6 +167,7 @@ class LLMEngine:
         """What the engine runs with: its configuration with every ``auto`` resolved (for GET /info)."""
         runner = self.runner
         return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
+                "num_threads": self.num_threads,
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
                 "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
                     self.model_config, self.blocks.block_size, runner.dtype, self.config.tensor_parallel_size),

@@ -90,7 +90,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    device = logits.device
+    device, shaped = logits.device, logits  # the logits after penalties, for rows that lose all their mass
     temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
     top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs], device=device)
@@ -120,4 +120,10 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     u = u.to(device)
     # Below the total, so the pick is a token with nonzero probability even if u * total rounds up.
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    picked = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    # A row whose mass is gone (a repetition penalty or top_p so small that every probability is 0, inf
+    # or NaN) takes its most likely token, not an index past the vocabulary that fails the whole step.
+    lost = ~torch.isfinite(total) | (total <= 0)
+    if lost.any():
+        picked = torch.where(lost.squeeze(1), shaped.nan_to_num(nan=float("-inf")).argmax(dim=-1), picked)
+    return picked

@@ -3,12 +3,16 @@ with several values, their pods and containers."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import kubernetes_validate
 import yaml
+
+from gateway.config import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -82,6 +86,32 @@ def gateway_config(objects: Iterable[dict]) -> dict:
     if name in maps:
         return yaml.safe_load(maps[name]["data"]["gateway.yaml"])
     return yaml.safe_load((K8S / "gateway-config.yaml").read_text())  # kustomize generates it from this file
+
+
+# What `kubectl create secret generic burstgate-keys --from-literal=KEY=...` would hold, where no Secret
+# in the objects does.
+STAND_INS = {"api-keys": '[{"name": "team-a", "key": "sk-team-a", "requests_per_minute": 60}]',
+             "vllm-api-key": "sk-vllm-stand-in"}
+
+
+def secret_environment(objects: Iterable[dict], container: dict) -> dict[str, str]:
+    """The ``container``'s variables that come from Secrets: the value a Secret among ``objects`` holds
+    (the chart's), else the stand-in for the one the operator creates."""
+    objects = list(objects)
+    secrets = {o["metadata"]["name"]: o.get("stringData", {}) for o in objects if o["kind"] == "Secret"}
+    env = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            env[e["name"]] = secrets.get(ref["name"], STAND_INS).get(ref["key"], STAND_INS.get(ref["key"]))
+    return env
+
+
+def gateway_settings(objects: Iterable[dict]) -> Settings:
+    """The gateway's settings as its pods load them: the mounted config, the environment from Secrets."""
+    objects = list(objects)
+    with mock.patch.dict(os.environ, secret_environment(objects, gateway_pod(objects)["containers"][0])):
+        return Settings(**gateway_config(objects))
 
 
 def containers(objects: Iterable[dict]) -> Iterator[tuple[str, dict]]:

@@ -102,6 +102,7 @@ def test_every_service_has_cpu_and_memory_limits_and_the_gateways_match_their_th
 
 
 def test_client_keys_come_from_the_environment_and_the_example_ships_none(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "")  # as compose sets it when deploy/.env has none
     text = EXAMPLE_CONFIG.read_text()
     assert hash_key("password") not in text and "sha256:" not in text
     assert load_settings(EXAMPLE_CONFIG).api_keys == []
@@ -111,3 +112,12 @@ def test_client_keys_come_from_the_environment_and_the_example_ships_none(monkey
     gateway_env = services({"BURSTGATE_API_KEYS": '[{"name": "team-a", "key": "k-123"}]'})["gateway-a"]["environment"]
     monkeypatch.setenv("BURSTGATE_API_KEYS", gateway_env["BURSTGATE_API_KEYS"])
     assert [(k.name, k.sha256) for k in load_settings(EXAMPLE_CONFIG).api_keys] == [("team-a", hash_key("k-123"))]
+
+
+def test_vllms_key_reaches_vllm_and_the_gateways_from_the_environment_alone(monkeypatch):
+    for env, key in (({}, ""), ({"VLLM_API_KEY": "sk-vllm"}, "sk-vllm")):  # empty: neither side uses a key
+        compose = services(env)
+        assert compose["vllm"]["environment"]["VLLM_API_KEY"] == key
+        monkeypatch.setenv("VLLM_API_KEY", compose["gateway-a"]["environment"]["VLLM_API_KEY"])
+        (vllm,) = [d for m in load_settings(EXAMPLE_CONFIG).models for d in m.deployments if d.name == "vllm"]
+        assert vllm.api_key == key

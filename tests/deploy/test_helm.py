@@ -12,9 +12,15 @@ import subprocess
 import pytest
 import yaml
 
-from gateway.config import Settings
 from gateway.service import Gateway
-from tests.deploy.files import CHART, gateway_config, gateway_pod, helm_available, helm_objects, project_version
+from tests.deploy.files import (
+    CHART,
+    gateway_pod,
+    gateway_settings,
+    helm_available,
+    helm_objects,
+    project_version,
+)
 
 pytestmark = pytest.mark.skipif(not helm_available(), reason="helm-python-sdk (Helm's engine) is not installed here")
 
@@ -40,7 +46,7 @@ def test_by_default_the_gateway_redis_and_the_hpa_and_no_gpu_server():
                               "Deployment": {"demo-burstgate", "demo-burstgate-redis"},
                               "Service": {"demo-burstgate", "demo-burstgate-redis"},
                               "HorizontalPodAutoscaler": {"demo-burstgate"}}
-    config = Settings(**gateway_config(objects))
+    config = gateway_settings(objects)
     assert [d.kind for d in config.models[0].deployments] == ["native"]
     assert config.limits.redis_url == "redis://demo-burstgate-redis:6379/0"
 
@@ -49,7 +55,7 @@ def test_vllm_and_tgi_are_toggles_and_join_the_model():
     objects = helm_objects({"vllm": {"enabled": True, "extraArgs": ["--max-model-len", "4096"]},
                             "tgi": {"enabled": True}})
     assert {"demo-burstgate-vllm", "demo-burstgate-tgi"} <= kinds(objects)["Deployment"]
-    config = Settings(**gateway_config(objects))
+    config = gateway_settings(objects)
     assert [(d.kind, getattr(d, "url", None)) for d in config.models[0].deployments] == [
         ("openai", "http://demo-burstgate-vllm:8000/v1"), ("tgi", "http://demo-burstgate-tgi:80"), ("native", None)]
     vllm = next(o for o in objects if o["metadata"]["name"] == "demo-burstgate-vllm")
@@ -74,10 +80,24 @@ def test_keys_come_from_an_existing_secret_or_one_the_chart_makes():
     assert "BURSTGATE_API_KEYS" not in {e["name"] for e in gateway_pod(helm_objects())["containers"][0]["env"]}
 
 
+def test_vllms_key_is_given_or_made_by_the_chart_unless_an_existing_secret_holds_it():
+    def vllm_key(values: dict) -> str | None:
+        objects = helm_objects({**values, "vllm": {"enabled": True, **values.get("vllm", {})}})
+        secrets = [o for o in objects if o["kind"] == "Secret"]
+        assert [o["metadata"]["name"] for o in secrets] == ([] if "apiKeys" in values else ["demo-burstgate-keys"])
+        (openai,) = [d for m in gateway_settings(objects).models for d in m.deployments if d.kind == "openai"]
+        return openai.api_key
+
+    assert vllm_key({"vllm": {"apiKey": "sk-given"}}) == "sk-given"
+    made = vllm_key({})
+    assert len(made) == 48 and made.isalnum()
+    assert vllm_key({"apiKeys": {"existingSecret": "ops-keys"}}) == "sk-vllm-stand-in"  # what ops-keys holds
+
+
 def test_everything_off_serves_the_embedded_model_and_config_overrides_merge():
     objects = helm_objects({"native": {"enabled": False}, "redis": {"enabled": False},
                             "gateway": {"config": {"router": {"retries": 5}, "limits": {"max_body_bytes": 100000}}}})
-    settings = Settings(**gateway_config(objects))
+    settings = gateway_settings(objects)
     assert settings.models == [] and settings.router.retries == 5 and settings.limits.max_body_bytes == 100000
     assert Gateway.from_settings(settings).groups  # the embedded default
 

@@ -22,12 +22,14 @@ from tests.deploy.files import (
     documents,
     gateway_config,
     gateway_pod,
+    gateway_settings,
     helm_available,
     k8s_objects,
     manifest_sets,
     pods,
     project_version,
     schema_errors,
+    secret_environment,
 )
 
 GATEWAY_CONFIGS = [DEPLOY / "config" / "gateway.example.yaml", K8S / "gateway-config.yaml"]
@@ -60,7 +62,7 @@ def test_no_service_makes_kubernetes_inject_VLLM_PORT(objects):
 
 
 def test_every_url_in_the_gateway_config_names_a_service_and_its_port(objects):
-    settings = Settings(**gateway_config(objects))
+    settings = gateway_settings(objects)
     urls = [d.url for m in settings.models for d in m.deployments if getattr(d, "url", None)]
     urls += [settings.limits.redis_url] if settings.limits.redis_url else []
     assert urls or all(d.kind == "native" for m in settings.routes() for d in m.deployments)
@@ -119,21 +121,35 @@ def test_every_pod_meets_the_restricted_profile_where_its_image_allows(objects):
                 assert sc["readOnlyRootFilesystem"] is True, name
 
 
-def test_client_keys_reach_the_gateway_only_from_a_secret(objects, monkeypatch):
+def test_client_keys_reach_the_gateway_only_from_a_secret(objects):
     env = {e["name"]: e for e in gateway_pod(objects)["containers"][0]["env"]}
-    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     if "BURSTGATE_API_KEYS" not in env:
-        assert not secrets
+        assert not any("api-keys" in o.get("stringData", {}) for o in objects if o["kind"] == "Secret")
         return
-    ref = env["BURSTGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]
-    assert ref["key"] == "api-keys"
-    # The value is what the chart's Secret holds, or what `kubectl create secret generic NAME
-    # --from-literal=api-keys=...` would put in one.
-    value = secrets[ref["name"]]["stringData"]["api-keys"] if ref["name"] in secrets \
-        else '[{"name": "team-a", "key": "sk-team-a", "requests_per_minute": 60}]'
-    monkeypatch.setenv("BURSTGATE_API_KEYS", value)
-    keys = Settings(**gateway_config(objects)).api_keys
+    assert env["BURSTGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
+    # The value is what the chart's Secret holds, or what `kubectl create secret generic` would put in one.
+    keys = gateway_settings(objects).api_keys
     assert keys and all(k.key is None and k.sha256 for k in keys)  # hashed at load, never kept
+
+
+def _secret_refs(container: dict) -> dict[str, dict]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_vllm_and_the_gateway_take_vllms_key_from_one_secret_and_no_config_holds_it(objects):
+    gateway = gateway_pod(objects)["containers"][0]
+    vllm = [c for _, pod in pods(objects) for c in pod["containers"] if c["name"] == "vllm"]
+    if not vllm:
+        assert "VLLM_API_KEY" not in _secret_refs(gateway)
+        return
+    ref = _secret_refs(gateway)["VLLM_API_KEY"]
+    assert _secret_refs(vllm[0])["VLLM_API_KEY"] == ref and ref["key"] == "vllm-api-key"
+    (written,) = [d for m in gateway_config(objects)["models"] for d in m["deployments"] if d["kind"] == "openai"]
+    assert written["api_key"] == "os.environ/VLLM_API_KEY"  # a reference, not the key
+    (loaded,) = [d for m in gateway_settings(objects).models for d in m.deployments if d.kind == "openai"]
+    assert loaded.api_key == secret_environment(objects, vllm[0])["VLLM_API_KEY"]  # what vLLM itself is given
+    assert all(loaded.api_key not in yaml.safe_dump(o) for o in objects if o["kind"] == "ConfigMap")
 
 
 # ------------------------------------------------------------------------- deploy/k8s alone
@@ -146,7 +162,8 @@ def test_every_yaml_file_parses():
 
 
 @pytest.mark.parametrize("path", GATEWAY_CONFIGS, ids=lambda p: p.name)
-def test_gateway_configs_load_and_build_their_backends(path):
+def test_gateway_configs_load_and_build_their_backends(path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")  # their vLLM deployments read it from the environment
     gateway = Gateway.from_settings(load_settings(path))
     assert gateway.groups and all(g.deployments for g in gateway.groups.values())
 

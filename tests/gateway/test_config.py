@@ -151,9 +151,10 @@ def test_cli_help_lists_serve_options():
         assert option in result.output
 
 
-def test_shipped_example_config_is_valid():
+def test_shipped_example_config_is_valid(monkeypatch):
     from pathlib import Path
 
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")  # its vLLM deployment reads the key from the environment
     s = load_settings(Path(__file__).resolve().parents[2] / "deploy" / "config" / "gateway.example.yaml")
     assert [[d.kind for d in m.deployments] for m in s.models] == [["native", "openai"], ["tgi"], ["deepspeed", "mii"]]
     assert s.models[0].routing == "prefix_affinity" and s.models[0].fallbacks == ["smollm2-tgi"]

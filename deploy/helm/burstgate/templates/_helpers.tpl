@@ -42,7 +42,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- $deployments := list }}
 {{- if .Values.vllm.enabled }}
 {{- $url := printf "http://%s:8000/v1" (include "burstgate.component" (dict "component" "vllm" "Values" .Values "Release" .Release "Chart" .Chart)) }}
-{{- $deployments = append $deployments (dict "kind" "openai" "name" "vllm" "url" $url "upstream_model" .Values.vllm.servedModelName "weight" .Values.vllm.weight "first_token_timeout_s" 60) }}
+{{- $deployments = append $deployments (dict "kind" "openai" "name" "vllm" "url" $url "upstream_model" .Values.vllm.servedModelName "api_key" "os.environ/VLLM_API_KEY" "weight" .Values.vllm.weight "first_token_timeout_s" 60) }}
 {{- end }}
 {{- if .Values.tgi.enabled }}
 {{- $url := printf "http://%s:80" (include "burstgate.component" (dict "component" "tgi" "Values" .Values "Release" .Release "Chart" .Chart)) }}

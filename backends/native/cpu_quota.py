@@ -1,0 +1,57 @@
+"""How many CPU threads the engine should run: its cgroup's CPU quota, not the node's core count.
+
+A container limited to 4 CPUs on a 64-core node still sees 64 cores; torch would start 64 threads and
+the kernel would throttle them to 4 CPUs' worth of time, slower than 4 threads. The quota is read from
+cgroup v2 (``cpu.max``: ``QUOTA PERIOD`` or ``max PERIOD``), else cgroup v1 (``cpu.cfs_quota_us``, -1 for
+none, over ``cpu.cfs_period_us``), rounded up (never more than ``os.cpu_count()``); with no quota, ``os.cpu_count()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _quota(quota: str, period: str) -> int | None:
+    """CPUs allowed by ``quota`` microseconds per ``period``; None when unlimited or unreadable."""
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # "max": no quota
+        return None
+    return math.ceil(q / p) if q > 0 and p > 0 else None
+
+
+def cgroup_cpus(root: Path | None = None) -> int | None:
+    """The CPU quota of this process's cgroup, in whole CPUs (rounded up); None when there is none."""
+    root = root or CGROUP
+    v2 = _read(root / "cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+        return _quota(quota, period or "100000")
+    for v1 in (root / "cpu", root / "cpu,cpuacct"):
+        quota, period = _read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")
+        if quota is not None and period is not None:
+            return _quota(quota, period)
+    return None
+
+
+def resolve_num_threads(num_threads: int | None, root: Path | None = None) -> tuple[int, str]:
+    """The thread count to run with, and where it came from (for the engine's log line)."""
+    root = root or CGROUP
+    if num_threads:
+        return num_threads, "num_threads"
+    cores = os.cpu_count() or 1
+    cpus = cgroup_cpus(root)
+    if cpus is not None:
+        return min(cpus, cores), f"the cgroup's CPU quota under {root}"
+    return cores, "os.cpu_count(): no cgroup CPU quota"

@@ -1,0 +1,138 @@
+"""uvicorn, with the limits it lacks against hostile clients.
+
+uvicorn times out only idle keep-alive connections, and that timer is disarmed by any byte received: a
+client trickling its headers or body, or opening a connection and sending nothing, holds it for ever
+(slowloris), and httptools accepts headers of any size. ``GuardedHttpToolsProtocol`` (uvicorn's
+httptools protocol, passed as its ``http`` class) adds, per ``Server`` settings:
+
+- a deadline to receive a whole request, from its first byte (or the connection's opening) until its
+  body is in; then 408 and the connection closed. Streaming a long answer is never affected;
+- a cap on the request line and headers (431);
+- a cap on open connections: at the cap a new connection closes the one idle for longest (no request
+  under way on it), or is answered 503 when none is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.config import Server
+
+log = logging.getLogger(__name__)
+
+
+def uvicorn_options(server: Server) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config``: our protocol, our access log (with
+    request ids, gateway/access_log.py) instead of uvicorn's, and our logging configuration."""
+    return {"http": functools.partial(GuardedHttpToolsProtocol, limits=server),
+            "timeout_keep_alive": server.keep_alive_timeout_s, "access_log": False, "log_config": None,
+            # --workers: a worker answers the supervisor's pings only once it has imported torch and the
+            # engines (seconds); uvicorn's 5 s killed every worker of a busy machine before it started
+            "timeout_worker_healthcheck": 60}
+
+
+def _response(status: int, reason: str) -> bytes:
+    body = f"{status} {reason}".encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, *args, limits: Server, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._deadline: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._idle_since: float | None = None  # set while no request is under way
+        self._refused = False
+
+    # --------------------------------------------------------------------------------- connection
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._idle_since = time.monotonic()
+        self._arm()
+        if len(self.connections) > self.limits.max_connections and not self._evict_idle():
+            log.warning("%d connections open: refusing a new one", len(self.connections))
+            self._refuse(503, "Service Unavailable")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:  # after our own refusal the parser's error is expected
+            super().send_400_response(msg)
+
+    # ------------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._idle_since, self._head_bytes = None, 0
+        if self._deadline is None:  # the first request's deadline runs from the connection's opening
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._idle_since = time.monotonic()
+        super().on_response_complete()
+
+    # ------------------------------------------------------------------------------------ limits
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(431, "Request Header Fields Too Large")
+            raise ValueError("request head too large")  # stops the parser (uvicorn's 400 is suppressed)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.limits.request_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.response_started:
+            self.transport.close()  # an answer is already on its way: nothing else can be said
+        else:
+            self._refuse(408, "Request Timeout")
+
+    def _refuse(self, status: int, reason: str) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self.transport.write(_response(status, reason))
+        self.transport.close()
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle for longest (not this one); False when none is idle."""
+        idle = [c for c in self.connections if c is not self and getattr(c, "_idle_since", None) is not None]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._idle_since)
+        oldest._idle_since = None
+        oldest.transport.close()
+        return True

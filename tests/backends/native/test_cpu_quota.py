@@ -1,0 +1,62 @@
+"""The engine's thread count defaults to the container's CPU quota (cgroup v2, then v1), read from fake
+cgroup trees here; an explicit ``num_threads`` wins."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from backends.native import cpu_quota
+from backends.native.config import EngineConfig
+from backends.native.cpu_quota import cgroup_cpus, resolve_num_threads
+from backends.native.engine import LLMEngine
+
+
+@pytest.mark.parametrize("cpu_max, cpus", [("200000 100000", 2), ("150000 100000", 2), ("50000 100000", 1),
+                                           ("max 100000", None), ("100000", 1)])
+def test_cgroup_v2_quota_rounded_up(tmp_path, cpu_max, cpus):
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    assert cgroup_cpus(tmp_path) == cpus
+
+
+@pytest.mark.parametrize("folder", ["cpu", "cpu,cpuacct"])
+def test_cgroup_v1_quota(tmp_path, folder):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / folder / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpus(tmp_path) is None
+    (tmp_path / folder / "cpu.cfs_quota_us").write_text("250000\n")
+    assert cgroup_cpus(tmp_path) == 3
+
+
+def test_explicit_threads_then_quota_then_cpu_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert resolve_num_threads(None, tmp_path) == (64, "os.cpu_count(): no cgroup CPU quota")
+    (tmp_path / "cpu.max").write_text("400000 100000")
+    assert resolve_num_threads(None, tmp_path)[0] == 4
+    assert resolve_num_threads(7, tmp_path) == (7, "num_threads")
+    (tmp_path / "cpu.max").write_text("12800000 100000")  # a quota above the machine's cores
+    assert resolve_num_threads(None, tmp_path)[0] == 64
+
+
+def test_the_engine_runs_with_the_quota_when_it_starts(tmp_path, monkeypatch, caplog, smollm2_tokenizer):
+    """Resolved at engine start, not when the config is read: the config keeps None."""
+    (tmp_path / "cpu.max").write_text("100000 100000")
+    monkeypatch.setattr(cpu_quota, "CGROUP", tmp_path)
+    model = tmp_path / "config.json"  # a one-layer Llama with random weights
+    model.write_text(json.dumps({"model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "max_position_embeddings": 128}))
+    config = EngineConfig(model_path=str(model), load_format="dummy", kernels="torch", num_blocks=4)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="backends.native.engine"):
+            LLMEngine(config, tokenizer=smollm2_tokenizer)
+        assert torch.get_num_threads() == 1 and config.num_threads is None
+        assert f"1 CPU threads (the cgroup's CPU quota under {tmp_path})" in caplog.text
+    finally:
+        torch.set_num_threads(before)
