@@ -6,11 +6,12 @@ field, never silently dropped. Unknown fields are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.base import InvalidRequestError, SamplingParams
+from backends.base import InvalidRequestError, SamplingParams, StructuredOutput
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
@@ -22,6 +23,71 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not (as vLLM does)
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``, and vLLM's ``structural_tag`` form."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None  # of a structural tag
+
+    @model_validator(mode="after")
+    def _needs_its_part(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("When response_format type is 'json_schema', the 'json_schema' field must be provided.")
+        if self.type == "structural_tag" and self.format is None:
+            raise ValueError("A structural_tag response_format needs its 'format'.")
+        return self
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs``: one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> StructuredOutput | None:
+        whitespace = not self.disable_any_whitespace
+        found = [so for so in (
+            _json_schema(self.json_, "structured_outputs", whitespace) if self.json_ is not None else None,
+            StructuredOutput("regex", self.regex, "structured_outputs") if self.regex is not None else None,
+            StructuredOutput("choice", json.dumps(self.choice), "structured_outputs") if self.choice else None,
+            StructuredOutput("grammar", self.grammar, "structured_outputs") if self.grammar is not None else None,
+            StructuredOutput("json_object", "", "structured_outputs", whitespace) if self.json_object else None,
+        ) if so is not None]
+        if len(found) > 1:
+            raise InvalidRequestError("You can only use one kind of constraints for structured outputs "
+                                      "('json', 'regex', 'choice', 'grammar' or 'json_object').",
+                                      param="structured_outputs")
+        return found[0] if found else None
+
+
+def _json_schema(schema: dict[str, Any] | str, param: str, any_whitespace: bool = True,
+                 name: str | None = None) -> StructuredOutput:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{param}: the JSON schema is not valid JSON: {exc}", param=param) from exc
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{param}: a JSON schema must be a JSON object", param=param)
+    return StructuredOutput("json", json.dumps(schema), param, any_whitespace, name)
 
 
 class _Sampling(_Request):
@@ -46,6 +112,13 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -79,9 +152,39 @@ class _Sampling(_Request):
             frequency_penalty=self.frequency_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.structured_output(),
         )
         params.validate()
         return params
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint the request asks for, whichever field carries it (400 if several)."""
+        found = [so for so in (self._response_format(),
+                               self.structured_outputs.constraint() if self.structured_outputs else None,
+                               _json_schema(self.guided_json, "guided_json") if self.guided_json is not None else None,
+                               StructuredOutput("regex", self.guided_regex, "guided_regex")
+                               if self.guided_regex is not None else None,
+                               StructuredOutput("choice", json.dumps(self.guided_choice), "guided_choice")
+                               if self.guided_choice else None,
+                               StructuredOutput("grammar", self.guided_grammar, "guided_grammar")
+                               if self.guided_grammar is not None else None) if so is not None]
+        if len(found) > 1:
+            raise InvalidRequestError(f"Only one structured output constraint may be given, not {found[0].param} "
+                                      f"and {found[1].param}.", param=found[1].param)
+        return found[0] if found else None
+
+    def _response_format(self) -> StructuredOutput | None:
+        """``response_format``'s constraint, with ``structured_outputs``' options (vLLM applies it over them)."""
+        rf = self.response_format
+        whitespace = not (self.structured_outputs and self.structured_outputs.disable_any_whitespace)
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutput("json_object", "", "response_format", whitespace)
+        if rf.type == "structural_tag":
+            return StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": rf.format}),
+                                    "response_format")
+        return _json_schema(rf.json_schema.schema_, "response_format", whitespace, rf.json_schema.name)
 
     @property
     def include_usage(self) -> bool:

@@ -35,6 +35,7 @@ class EngineConfig(BaseModel):
     num_blocks: int | None = Field(None, ge=1)  # overrides both (tests force preemption with tiny values)
     max_model_len: int | None = Field(None, ge=2)  # default: the model's max_position_embeddings
     max_num_seqs: int = Field(256, ge=1)
+    max_n: int = Field(128, ge=1)  # most parallel samples one request may ask for (OpenAI's limit)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
