@@ -175,6 +175,7 @@ class GenerationRequest:
     tool_choice: ToolChoice = "none"
     parallel_tool_calls: bool = True
     echo: bool = False
+    user: str | None = None  # the client's end-user id: forwarded to OpenAI-style servers, changes no output
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -300,6 +301,12 @@ class EngineStats:
     generation_tokens: int = 0
 
 
+def refuse_extra_fields(request: GenerationRequest, server: str) -> None:
+    """A 400 naming the first request field that ``server`` would not interpret (``request.extra``)."""
+    for name in request.extra:
+        raise InvalidRequestError(f"{name} is not supported by {server}", param=name)
+
+
 # ---------------------------------------------------------------------------------------- protocol
 class Backend(abc.ABC):
     """A model server the gateway can send generations to.
@@ -329,7 +336,7 @@ class Backend(abc.ABC):
         """Model ids, context length and tokenizer of this backend."""
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids the backend would feed its model; backends without a tokenizer raise."""
         raise InvalidRequestError(f"backend {self.name!r} does not expose its tokenizer", param="model")
 

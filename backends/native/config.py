@@ -42,6 +42,10 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1)
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
+    # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are
+    # rendered by the template but tool_choice auto/required/named is refused, as vLLM does without it.
+    tool_parser: Literal["hermes", "llama3_json"] | None = None
+    chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""
