@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS
 
 
@@ -66,6 +66,26 @@ class UpstreamError(BackendError):
 
 
 # ----------------------------------------------------------------------------------- request / chunk
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the form of the output (vLLM's ``StructuredOutputsParams``), enforced by a grammar.
+
+    ``spec`` is the JSON schema (as JSON text) for ``json``, the pattern for ``regex``, the choices as a
+    JSON list for ``choice``, the EBNF or Lark text for ``grammar``, xgrammar's structural tag as JSON
+    for ``structural_tag`` (how tool calls are forced); ``json_object`` needs none. ``param`` is the
+    request field it came from, named in errors; ``name`` the schema's name in ``response_format``.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+    param: str = "structured_outputs"
+    any_whitespace: bool = True  # False: vLLM's disable_any_whitespace
+    name: str | None = None
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings with vLLM's meaning (``vllm.SamplingParams``)."""
@@ -85,6 +105,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # number of top alternatives to return per token; 0 = only the chosen
     skip_special_tokens: bool = True
+    n: int = 1  # parallel samples of the prompt
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # top alternatives per prompt token (vLLM's prompt_logprobs)
+    structured: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
 
@@ -111,6 +135,11 @@ class SamplingParams:
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}."),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings."),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative."),
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}."),
+            (self.n == 1 or not self.greedy, "n", f"n must be 1 when using greedy sampling, got {self.n}."),
+            (all(_finite(b) for b in self.logit_bias.values()), "logit_bias", "logit_bias values must be finite."),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}."),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -131,10 +160,17 @@ def _finite(x: float) -> bool:
 # tasks it starts): HTTP backends forward it upstream, so one id follows a request through every server.
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 
+ToolChoice = str | dict[str, Any]  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+
 
 @dataclass
 class GenerationRequest:
-    """One generation: either ``prompt`` (text or token ids) or chat ``messages``."""
+    """One generation: either ``prompt`` (text or token ids) or chat ``messages``.
+
+    ``tools`` are OpenAI function tools (rendered by the chat template, called as ``tool_choice`` says);
+    ``echo`` puts the prompt before the output (text completions); ``extra`` holds the request fields the
+    gateway does not interpret: a backend forwards them to a server that does, or refuses them.
+    """
 
     request_id: str
     model: str
@@ -143,6 +179,12 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     stream: bool = True  # a hint: the client wants chunks as they come (remote backends may fetch whole)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = "none"
+    parallel_tool_calls: bool = True
+    echo: bool = False
+    user: str | None = None  # the client's end-user id: forwarded to OpenAI-style servers, changes no output
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -151,14 +193,31 @@ class GenerationRequest:
 
 @dataclass
 class TokenLogprob:
+    """A token's logprob with alternatives. ``top`` lists (token_id, token, logprob) in vLLM's order: the
+    token itself first, then the most likely others; ``logprob`` is None for a prompt's first token."""
+
     token_id: int
     token: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token, logprob)
+    logprob: float | None
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 = most likely (prompt logprobs report it)
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of a tool call as OpenAI streams it: the first piece of call ``index`` names it and carries
+    its ``id``; later pieces carry fragments of its JSON ``arguments``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass
 class Usage:
+    """Token counts of a whole request (every choice): prompt once, completions summed, as vLLM counts."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -170,22 +229,60 @@ class Usage:
 
 @dataclass
 class GenerationChunk:
-    """A piece of the answer. The last chunk of a stream has ``finish_reason`` and ``usage`` set."""
+    """A piece of choice ``index`` of the answer. Each choice ends with a chunk carrying ``finish_reason``
+    (and ``stop_reason``: the stop string or token id that ended it, as vLLM reports). ``usage`` is the
+    request's running count: in-process engines put it on every chunk, every backend on its last one.
+    ``prompt_logprobs`` (vLLM's, ``None`` for the first prompt token) come with a choice's first chunk."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    index: int = 0
+    stop_reason: int | str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def extend(self, later: GenerationChunk) -> None:
-        """Fold a later chunk of the same stream into this one (a whole answer from its chunks)."""
+        """Fold a later chunk of the same choice into this one (a whole answer from its chunks)."""
         self.text += later.text
         self.token_ids += later.token_ids
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
+        for delta in later.tool_calls or []:
+            self._add_tool_call(delta)
         self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason if later.finish_reason else self.stop_reason
         self.usage = later.usage or self.usage
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+
+    def _add_tool_call(self, delta: ToolCallDelta) -> None:
+        calls = self.tool_calls = self.tool_calls or []
+        call = next((c for c in calls if c.index == delta.index), None)
+        if call is None:
+            calls.append(ToolCallDelta(delta.index, delta.id, delta.name, delta.arguments))
+            return
+        call.id, call.name = call.id or delta.id, call.name or delta.name
+        call.arguments += delta.arguments
+
+
+class UsageTally:
+    """A request's usage from its chunks as they pass, also when it ends early (client gone, backend
+    failed): the last usage a chunk carried, or the tokens counted so far when that is more."""
+
+    def __init__(self) -> None:
+        self.usage: Usage | None = None
+        self.counted = 0  # generated tokens seen: token ids, or one per piece of text where there are none
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.counted += len(chunk.token_ids) or (1 if chunk.text or chunk.tool_calls else 0)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def total(self) -> Usage:
+        u = self.usage or Usage(0, 0)
+        return Usage(u.prompt_tokens, max(u.completion_tokens, self.counted), u.cached_tokens)
 
 
 @dataclass
@@ -210,6 +307,12 @@ class EngineStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+
+
+def refuse_extra_fields(request: GenerationRequest, server: str) -> None:
+    """A 400 naming the first request field that ``server`` would not interpret (``request.extra``)."""
+    for name in request.extra:
+        raise InvalidRequestError(f"{name} is not supported by {server}", param=name)
 
 
 # ---------------------------------------------------------------------------------------- protocol
@@ -241,7 +344,7 @@ class Backend(abc.ABC):
         """Model ids, context length and tokenizer of this backend."""
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids the backend would feed its model; backends without a tokenizer raise."""
         raise InvalidRequestError(f"backend {self.name!r} does not expose its tokenizer", param="model")
 

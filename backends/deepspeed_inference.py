@@ -120,8 +120,8 @@ class DeepSpeedInferenceBackend(Backend):
         return BackendInfo(model_ids=[self.model_name], max_model_len=self.max_model_len or None)
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, messages, add_special_tokens)
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._encode(text, messages, add_special_tokens, tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids, skip_special_tokens=False)
@@ -159,10 +159,11 @@ class DeepSpeedInferenceBackend(Backend):
             raise UnavailableError("DeepSpeed-Inference is not started")
         return self.tokenizer
 
-    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
         tokenizer = self._tokenizer()
         if messages is not None:
-            return tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, tools)
         try:
             return tokenizer.encode(text or "", add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:

@@ -72,9 +72,11 @@ class OpenAIHTTPBackend(Backend):
         return BackendInfo(model_ids=[m.get("id") for m in models], max_model_len=mine.get("max_model_len"))
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
         body = {"model": self.upstream_model, "add_special_tokens": add_special_tokens}
         body.update({"messages": messages} if messages is not None else {"prompt": text})
+        if tools:
+            body["tools"] = tools
         return (await self._root_post("/tokenize", body))["tokens"]
 
     async def detokenize(self, token_ids: list[int]) -> str:

@@ -23,6 +23,7 @@ class StopStringFilter:
         self.text = ""  # all text so far, cut at the stop string once one is found
         self.emitted = 0  # characters of ``text`` already returned
         self.stopped = False
+        self.hit: str | None = None  # the stop string found (the first one in the text)
 
     def push(self, delta: str, search: bool = True) -> tuple[str, bool]:
         """Add a delta; returns (text safe to emit now, whether a stop string was hit). With ``search``
@@ -33,9 +34,10 @@ class StopStringFilter:
             return "", True
         search_from = max(len(self.text) - self.hold_back, 0)
         self.text += delta
-        hits = [at for s in self.stop if (at := self.text.find(s, search_from)) != -1] if search else []
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) != -1] if search else []
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.hit = min(hits)
+            self.text = self.text[:at]
             self.stopped = True
             return self._take(len(self.text)), True
         return self._take(len(self.text) - self.hold_back), False
@@ -53,26 +55,31 @@ class StopStringFilter:
 
 
 class StopChecker:
-    """The stop rules for one sequence, fed one sampled token at a time."""
+    """The stop rules for one sequence, fed one sampled token at a time. ``stop_reason`` says what ended it
+    as vLLM reports it: the stop string or the ``stop_token_ids`` entry, None for EOS and the length limit."""
 
     def __init__(self, params: SamplingParams, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int],
                  max_tokens: int, max_model_len: int) -> None:
         """``max_tokens`` is the request's, resolved (what the context leaves when it gave none)."""
         self.min_tokens = params.min_tokens
-        self.stop_token_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.detokenizer = detokenizer
         self.strings = StopStringFilter(params.stop)
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.num_output = 0
+        self.stop_reason: int | str | None = None
 
     def add(self, token_id: int, num_tokens: int) -> tuple[str, FinishReason | None]:
         """(text to emit, finish reason or None) after ``token_id``; ``num_tokens``: prompt + output now."""
         self.num_output += 1
-        if token_id in self.stop_token_ids:  # the sampler masked these until min_tokens
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:  # masked until min_tokens
+            self.stop_reason = None if token_id in self.eos_token_ids else token_id
             return self.strings.flush(), "stop"
         text, hit = self.strings.push(self.detokenizer.add(token_id), search=self.num_output > self.min_tokens)
         if hit:
+            self.stop_reason = self.strings.hit
             return text, "stop"
         if self.num_output >= self.max_tokens or num_tokens >= self.max_model_len:
             return text + self.strings.flush(), "length"

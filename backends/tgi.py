@@ -50,8 +50,8 @@ class TGIBackend(GenerateAPIBackend):
                            max_model_len=info.get("max_total_tokens"), tokenizer=info.get("model_id"), extra=info)
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
-        if text is None:
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if text is None or tools:
             raise InvalidRequestError(f"{self.name} tokenizes text prompts only", param="messages")
         r = await self._http.call("POST", "/tokenize", json={"inputs": text})
         _raise(r.status, r.content)

@@ -36,22 +36,26 @@ class Tokenizer:
             return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the conversation plus the assistant turn header."""
-        ids = self._chat_template(messages, tokenize=True)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                            template: str | None = None) -> list[int]:
+        """Token ids of the conversation (and the ``tools`` it may call) plus the assistant turn header;
+        ``template`` replaces the model's own chat template."""
+        ids = self._chat_template(messages, tools, template, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The conversation plus the assistant turn header as text, for servers that take only text."""
-        return self._chat_template(messages, tokenize=False)
+        return self._chat_template(messages, None, None, tokenize=False)
 
-    def _chat_template(self, messages: list[dict[str, Any]], tokenize: bool):
-        if self.hf.chat_template is None:
+    def _chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       template: str | None, tokenize: bool):
+        if template is None and self.hf.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
         try:
-            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+            return self.hf.apply_chat_template(messages, tools=tools, chat_template=template,
+                                               add_generation_prompt=True, tokenize=tokenize)
         except Exception as exc:  # jinja2 errors, template-raised exceptions
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
 

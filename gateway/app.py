@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,7 +12,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError
+from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError, Usage, UsageTally
 from gateway import errors
 from gateway import response_models as schemas
 from gateway.access_log import RequestIdMiddleware
@@ -69,23 +70,25 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     # -------------------------------------------------------------------------------- generation
     @app.post("/v1/chat/completions", tags=["openai"], responses=schemas.generation(schemas.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
-        params = body.to_sampling_params()
-        gen = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", body.model, params,
-                                messages=body.template_messages(), stream=body.stream)
-        return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=True))
+        gen = body.generation_request(f"chatcmpl-{uuid.uuid4().hex}")
+        writer = ResponseWriter(gen.request_id, body.model, True, gen.params.n, body.top_logprobs or 0,
+                                body.include_usage, body.continuous_usage)
+        return await _serve(request, body, [gen], caller, writer)
 
     @app.post("/v1/completions", tags=["openai"], responses=schemas.generation(schemas.Completion))
     async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
-        params = body.to_sampling_params()
-        gen = GenerationRequest(f"cmpl-{uuid.uuid4().hex}", body.model, params, prompt=body.single_prompt(),
-                                stream=body.stream)
-        return await _serve(request, body, gen, caller, ResponseWriter(gen.request_id, body.model, chat=False))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        gens = body.generation_requests(request_id)
+        writer = ResponseWriter(request_id, body.model, False, len(gens) * gens[0].params.n, 0,
+                                body.include_usage, body.continuous_usage)
+        return await _serve(request, body, gens, caller, writer)
 
-    async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, gen: GenerationRequest,
+    async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest, gens: list[GenerationRequest],
                      caller: Caller, writer: ResponseWriter):
         group = gateway.group(body.model)
         await gateway.admit(caller)
-        stream = gateway.generate(group, gen, caller)
+        streams = [gateway.generate(group, gen, caller) for gen in gens]
+        stream = streams[0] if len(streams) == 1 else _merge(streams, gens[0].params.n)
         if not body.stream:
             return await _until_disconnect(request, _fold(stream, writer))
         try:  # errors before the first token keep their HTTP status; a client gone by then aborts the work
@@ -93,8 +96,8 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         except BaseException:
             await stream.aclose()
             raise
-        return StreamingResponse(_sse(first, stream, writer, body.include_usage, body.continuous_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse(first, stream, writer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     # ---------------------------------------------------------------------------------- models
     @app.get("/v1/models", tags=["openai"], responses=schemas.ok(schemas.ModelList))
@@ -125,7 +128,8 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         group = _tokenizer_group(body.model)
         backend = group.choose().backend
         messages = [m.as_template_input() for m in body.messages] if body.messages is not None else None
-        ids = await backend.tokenize(body.prompt, messages, body.add_special_tokens)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        ids = await backend.tokenize(body.prompt, messages, body.add_special_tokens, tools)
         info = await backend.info()
         out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
         if body.return_token_strs:
@@ -177,11 +181,15 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
 
 
 async def _fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
-    folded = GenerationChunk()
+    choices: dict[int, GenerationChunk] = {}
+    tally = UsageTally()
     async with contextlib.aclosing(stream) as chunks:
         async for chunk in chunks:
-            folded.extend(chunk)
-    return JSONResponse(writer.full(folded))  # plain JSON types already: no jsonable_encoder pass
+            tally.add(chunk)
+            choices.setdefault(chunk.index, GenerationChunk(index=chunk.index)).extend(chunk)
+    usage = tally.usage or tally.total()
+    # plain JSON types already: no jsonable_encoder pass
+    return JSONResponse(writer.full([choices[i] for i in sorted(choices)], usage))
 
 
 async def _first(stream: AsyncIterator):
@@ -189,25 +197,57 @@ async def _first(stream: AsyncIterator):
     return await anext(stream, None)
 
 
-async def _sse(first, stream: AsyncIterator, writer: ResponseWriter, include_usage: bool,
-               continuous_usage: bool) -> AsyncIterator[bytes]:
+async def _sse(first, stream: AsyncIterator, writer: ResponseWriter) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(stream) as chunks:
         try:
-            role = writer.role_event()
-            if role:
-                yield role
-            usage = None
+            for event in writer.opening_events(first):
+                yield event
+            tally = UsageTally()
             async for chunk in _chain([first] if first is not None else [], chunks):
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                event = writer.chunk_event(chunk, usage if continuous_usage and chunk.usage else None)
+                tally.add(chunk)
+                event = writer.chunk_event(chunk)
                 if event:
                     yield event
-            if include_usage:
-                yield writer.usage_event(usage)
+            if writer.include_usage:
+                yield writer.usage_event(tally.usage or tally.total())
         except Exception as exc:  # after the first byte the status is sent: report in-band
             yield sse_error_event(exc)
         yield DONE
+
+
+async def _merge(streams: list[AsyncIterator[GenerationChunk]], n: int) -> AsyncIterator[GenerationChunk]:
+    """The chunks of several prompts' requests as they come: prompt i's choice j becomes choice i*n + j and
+    usage is the sum of the requests' (vLLM's numbering and counting for a list of prompts)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[GenerationChunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((k, chunk))
+            await queue.put((k, None))
+        except Exception as exc:
+            await queue.put((k, exc))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    latest: list[Usage | None] = [None] * len(streams)
+    try:
+        for _ in range(len(streams)):
+            while True:
+                k, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                latest[k] = item.usage or latest[k]
+                usage = Usage(*(sum(getattr(u, f) for u in latest if u) for f in
+                                ("prompt_tokens", "completion_tokens", "cached_tokens")))
+                yield dataclasses.replace(item, index=k * n + item.index, usage=usage)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
 
 
 async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:

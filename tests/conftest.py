@@ -62,8 +62,9 @@ def start_gateway(native_engine):
     """Factory: ``with start_gateway(**settings) as url`` serves MODEL from the shared engine."""
 
     @contextlib.contextmanager
-    def start(max_concurrency: int = 64, max_queue: int = 256, rate_limiter=None, **settings):
-        backend = NativeBackend(MODEL, engine=native_engine)
+    def start(max_concurrency: int = 64, max_queue: int = 256, rate_limiter=None, backend_config=None, **settings):
+        """``backend_config``: the deployment's settings the backend reads (tool parser, chat template)."""
+        backend = NativeBackend(MODEL, config=backend_config, engine=native_engine)
         group = ModelGroup(MODEL, [Deployment("native-0", backend, 1.0, ConcurrencyLimiter(max_concurrency, max_queue))])
         gateway = Gateway(Settings(**settings), [group], rate_limiter=rate_limiter)
         with serve_app(create_app(gateway)) as url:

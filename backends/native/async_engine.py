@@ -44,22 +44,27 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[GenerationChunk]:
-        """Chunks of one request as they are produced; raises ``InvalidRequestError`` up front (the one
-        validation a request gets)."""
+        """Chunks of one request (of its ``n`` choices) as they are produced; raises ``InvalidRequestError`` up
+        front (the one validation a request gets). A structured output's grammar is compiled here, in a
+        worker thread, before the request reaches the engine: the engine thread never waits for it."""
         self._raise_if_dead()
         self.engine.check_request(prompt_ids, params)
+        grammar = None
+        if params.structured is not None:
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        finished = False
+        finished, unfinished_choices = False, params.n
         try:
             self._raise_if_dead()  # again: the thread may have died, and failed every stream, meanwhile
-            self._post(("add", request_id, prompt_ids, params))
+            self._post(("add", request_id, prompt_ids, params, grammar))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finish_reason is not None:
+                unfinished_choices -= item.finish_reason is not None
+                if not unfinished_choices:
                     finished = True
                     return
         finally:
@@ -116,11 +121,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params = command
+                _, request_id, prompt_ids, params, grammar = command
                 if request_id not in self._streams:
                     continue  # the caller left before the engine saw the request
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params, grammar)
                 except Exception as exc:
                     self._send(request_id, exc)
             else:

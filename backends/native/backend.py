@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from backends.base import (
@@ -13,11 +15,14 @@ from backends.base import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
+    TokenLogprob,
     UnavailableError,
+    refuse_extra_fields,
 )
 from backends.native.async_engine import AsyncEngine
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
+from backends.tool_calls import check_tool_request, parse_tool_calls, tool_call_grammar
 
 
 class NativeBackend(Backend):
@@ -26,10 +31,12 @@ class NativeBackend(Backend):
     def __init__(self, model_name: str, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
         self.name = f"native:{model_name}"
         self.model_name = model_name
-        self.config = config or EngineConfig()
+        self.config = config or (engine.config if engine is not None else EngineConfig())
         self._engine = engine
         self._owns_engine = engine is None  # an engine passed in is shared, and closed by its owner
         self._async: AsyncEngine | None = None
+        template = self.config.chat_template
+        self.chat_template = Path(template).read_text() if template and Path(template).is_file() else template
 
     async def start(self) -> None:
         if self._engine is None:
@@ -52,10 +59,41 @@ class NativeBackend(Backend):
 
     # ----------------------------------------------------------------------------------- protocol
     def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """The engine's own stream of chunks: closing it (the client left) aborts the request."""
+        """The engine's own stream of chunks: closing it (the client left) aborts the request. With tools,
+        a forced ``tool_choice`` becomes the grammar of the call and the text is parsed into tool calls."""
         if self._async is None:
             raise UnavailableError(f"backend {self.name} is not started")
-        return self._async.generate(request.request_id, self._prompt_ids(request), request.params)
+        refuse_extra_fields(request, self.name)
+        params, calls_tools = request.params, bool(request.tools) and request.tool_choice != "none"
+        if calls_tools:
+            parser = self.config.tool_parser
+            check_tool_request(parser, request.tools, request.tool_choice, params.structured)
+            grammar = tool_call_grammar(parser, request.tools, request.tool_choice, request.parallel_tool_calls)
+            # Tool-call markers may be special tokens: the parser must see them (vLLM's hermes parser too).
+            params = dataclasses.replace(params, structured=grammar or params.structured, skip_special_tokens=False)
+        prompt_ids = self._prompt_ids(request)
+        chunks = self._async.generate(request.request_id, prompt_ids, params)
+        if calls_tools:
+            chunks = parse_tool_calls(chunks, self.config.tool_parser, request.tool_choice)
+        if request.echo:
+            text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(prompt_ids)
+            chunks = self._echo(chunks, text, prompt_ids[0])
+        return chunks
+
+    async def _echo(self, chunks: AsyncIterator[GenerationChunk], prompt_text: str, first_token: int
+                    ) -> AsyncIterator[GenerationChunk]:
+        """Each choice's first chunk with the prompt before it: its text, and with logprobs the prompt's
+        (vLLM's echo: the prompt logprobs, the first token's None)."""
+        echoed: set[int] = set()
+        async for chunk in chunks:
+            if chunk.index not in echoed:
+                echoed.add(chunk.index)
+                logprobs = chunk.logprobs
+                if logprobs is not None:
+                    first = TokenLogprob(first_token, self.engine.tokenizer.decode([first_token], False), None)
+                    logprobs = [first, *(chunk.prompt_logprobs or [None])[1:], *logprobs]
+                chunk = dataclasses.replace(chunk, text=prompt_text + chunk.text, logprobs=logprobs)
+            yield chunk
 
     async def health(self) -> bool:
         return self._async is not None and self._async.alive
@@ -66,8 +104,8 @@ class NativeBackend(Backend):
                            tokenizer=str(engine.model_path))
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
-                       add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, messages, add_special_tokens)
+                       add_special_tokens: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._encode(text, messages, add_special_tokens, tools)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         engine = self.engine
@@ -84,12 +122,13 @@ class NativeBackend(Backend):
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, list):
             return list(request.prompt)
-        return self._encode(request.prompt, request.messages, request.add_special_tokens)
+        return self._encode(request.prompt, request.messages, request.add_special_tokens, request.tools)
 
-    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str | None, messages: list[dict[str, Any]] | None, add_special_tokens: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
         tokenizer = self.engine.tokenizer
         if messages is not None:
-            return tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, tools, self.chat_template)
         try:
             return tokenizer.encode(text or "", add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates

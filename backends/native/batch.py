@@ -7,7 +7,7 @@ into tensors once per step (``AttentionBackend.build``). Sequences with a single
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +21,26 @@ class Batch:
     context_lens: list[int]  # tokens in the KV cache per sequence after this step (prefix + new)
     block_tables: list[list[int]]
     sample: list[bool]  # whether the sequence's last token this step produces a next token
+    # whether every query token of the sequence feeds the LM head (prompt logprobs), not only a sampled last
+    all_logits: list[bool] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, first
+
+    def logits_rows(self) -> list[range]:
+        """For each sequence, its rows in the step's logits (all its tokens, its last, or none)."""
+        rows, r = [], 0
+        for i, (n, sample) in enumerate(zip(self.query_lens, self.sample)):
+            k = n if self.all_logits and self.all_logits[i] else int(sample)
+            rows.append(range(r, r + k))
+            r += k
+        return rows
+
+    def logits_indices(self) -> list[int]:
+        """The flat token indices whose hidden states feed the LM head, in the order of ``logits_rows``."""
+        out, start = [], 0
+        for n, rows in zip(self.query_lens, self.logits_rows()):
+            out.extend(range(start + n - len(rows), start + n))
+            start += n
+        return out
 
     @property
     def num_decodes(self) -> int:

@@ -4,6 +4,11 @@ Blocks are reference counted. A block whose count drops to zero goes to the back
 queue but keeps its contents and hash, so a later request with the same prefix can take it back;
 it is only forgotten when the queue hands it out again (lazy eviction, as vLLM and nano-vllm do).
 Only full blocks are hashed, each hash chained to its parent's so a hit means "this whole prefix".
+
+Parallel samples of one prompt (``n`` > 1) share its blocks (``fork``). A shared block is never written:
+the one step that would write a shared partly filled block first gives the writer its own copy
+(copy-on-write), and the model runner copies the block's keys and values before the step
+(``take_copies``, carried by the batch).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # chained hash -> block id
+        self._copies: list[tuple[int, int]] = []  # (source, destination) block copies for the next step
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -53,8 +59,8 @@ class BlockManager:
 
         Pure look-up: pass the result to ``allocate``. Only meaningful for a sequence holding no blocks.
         """
-        if not self.enable_prefix_caching or seq.block_table:
-            return []
+        if not self.enable_prefix_caching or seq.block_table or seq.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         tokens = seq.token_ids
         hits, parent = [], None
         for i in range((len(tokens) - 1) // self.block_size):
@@ -71,16 +77,21 @@ class BlockManager:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones and ``prefix_hits``.
 
         All or nothing: returns False, changing nothing, when the free blocks do not suffice. On success
-        the hit blocks are shared and ``seq.num_computed`` moves past them.
+        the hit blocks are shared and ``seq.num_computed`` moves past them, and a shared block the new
+        tokens would be written into is replaced by a copy.
         """
-        if not prefix_hits and seq.num_computed + num_new_tokens <= len(seq.block_table) * self.block_size:
+        shared = self._shared_write_block(seq)
+        if (not prefix_hits and shared is None
+                and seq.num_computed + num_new_tokens <= len(seq.block_table) * self.block_size):
             return True  # room in the blocks it holds: most decode steps
         hit_tokens = len(prefix_hits) * self.block_size
         total = seq.num_computed + hit_tokens + num_new_tokens
         needed = self.blocks_needed(total) - len(seq.block_table) - len(prefix_hits)
         revived = sum(1 for b in prefix_hits if self.blocks[b].ref_count == 0)  # leave the free queue too
-        if needed + revived > len(self._free):
+        if max(needed, 0) + revived + (shared is not None) > len(self._free):
             return False
+        if shared is not None:
+            self._copy_on_write(seq, shared)
         if not seq.block_table and self.enable_prefix_caching:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += hit_tokens
@@ -90,6 +101,32 @@ class BlockManager:
         for _ in range(max(needed, 0)):
             seq.block_table.append(self._take_new())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (holding nothing) the blocks of ``parent``, shared: another sample of its prompt."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies decided since the last call: the runner does them first."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Position in the table of a shared block holding the next token's slot (a partly filled block of
+        a forked prompt), or None. Blocks before it are full and only read; blocks after it are its own."""
+        i = seq.num_computed // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, seq: Sequence, i: int) -> None:
+        source = seq.block_table[i]
+        self.blocks[source].ref_count -= 1  # others still hold it: it stays in use
+        seq.block_table[i] = self._take_new()
+        self._copies.append((source, seq.block_table[i]))
 
     def _take_hit(self, block_id: int) -> int:
         """Share a cached block, taking it off the free queue if nobody held it."""

@@ -35,6 +35,7 @@ class EngineConfig(BaseModel):
     num_blocks: int | None = Field(None, ge=1)  # overrides both (tests force preemption with tiny values)
     max_model_len: int | None = Field(None, ge=2)  # default: the model's max_position_embeddings
     max_num_seqs: int = Field(256, ge=1)
+    max_n: int = Field(128, ge=1)  # most parallel samples one request may ask for (OpenAI's limit)
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -43,6 +44,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
+    # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are
+    # rendered by the template but tool_choice auto/required/named is refused, as vLLM does without it.
+    tool_parser: Literal["hermes", "llama3_json"] | None = None
+    chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""

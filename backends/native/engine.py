@@ -8,19 +8,30 @@ streams, so nothing converts it again between the engine and the gateway.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from backends.base import EngineStats, GenerationChunk, InvalidRequestError, SamplingParams, Usage
+from backends.base import (
+    EngineStats,
+    GenerationChunk,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredOutput,
+    TokenLogprob,
+    Usage,
+)
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
-from backends.native.sampler import sample, token_logprobs
+from backends.native.sampler import ranked, sample, token_logprobs
 from backends.native.scheduler import Scheduler, Update
 from backends.native.sequence import Sequence
+from backends.native.structured_output import GrammarCompiler, new_matcher
 from backends.native.weights import default_model_path, open_checkpoint
 from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,7 +69,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = checkpoint.config.vocab_size
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, by choice index
+        self._grammars: GrammarCompiler | None = None  # built on first use (xgrammar reads the vocabulary)
+        self._grammars_lock = threading.Lock()
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -87,11 +100,18 @@ class LLMEngine:
         params.validate()
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty: it must contain at least one token.", param="prompt")
-        for param, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
-                                          param=param)
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"Token id {bad} is out of vocabulary (vocab size {self.vocab_size}).",
+                                      param="prompt")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:  # vLLM's words (SamplingParams._validate_logit_bias)
+                raise InvalidRequestError(f"token_id(s) {outside} in {name} contain out-of-vocab token ids. "
+                                          f"Vocabulary size: {self.vocab_size}", param=name)
+        max_n = min(self.config.max_n, self.config.max_num_seqs)
+        if params.n > max_n:
+            raise InvalidRequestError(f"n must be at most {max_n} on this deployment, got {params.n}.", param="n")
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         total = len(prompt_ids) + max_tokens
         if len(prompt_ids) >= self.max_model_len or total > self.max_model_len:
@@ -105,23 +125,41 @@ class LLMEngine:
                 f"The request needs {total} tokens of KV cache but the engine holds only "
                 f"{self.blocks.num_blocks * self.blocks.block_size}.", param="max_tokens")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request that ``check_request`` accepted; ``params`` is read, never changed."""
+    def compile_grammar(self, structured: StructuredOutput) -> Any:
+        """The compiled grammar of a structured output (LRU-cached); raises ``InvalidRequestError`` naming
+        the request field when it is invalid. Safe from any thread: callers compile before admission."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars.compile(structured)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, grammar: Any = None) -> None:
+        """Queue a request that ``check_request`` accepted, with its ``compile_grammar`` result if it has a
+        structured output; ``params`` is read, never changed. Its ``n`` samples are ``n`` sequences."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", param="request_id")
-        seq = Sequence(request_id, list(prompt_ids), params)
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        seqs = [self._sequence(request_id, prompt_ids, params, i, grammar) for i in range(params.n)]
+        seqs[0].forks = seqs[1:]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = []
+        self._requests[request_id] = seqs
+        self.scheduler.add(seqs[0])
+
+    def _sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
+                  grammar: Any) -> Sequence:
+        seq = Sequence(request_id, list(prompt_ids), params, index=index)
+        if params.seed is not None:  # sample i draws from seed + i, as vLLM's parallel sampling does
+            seq.generator = torch.Generator().manual_seed(params.seed + index)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         seq.stop = StopChecker(params, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                                self.eos_token_ids, max_tokens, self.max_model_len)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        if grammar is not None:
+            seq.grammar = new_matcher(grammar)
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks. Unknown or finished ids are ignored."""
-        seq = self._requests.pop(request_id, None)
-        if seq is not None:
+        for seq in self._requests.pop(request_id, []):
             self.scheduler.abort(seq)
 
     def request_ids(self) -> list[str]:
@@ -145,22 +183,68 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        logits = self.runner.execute(scheduled.batch)
+        batch = scheduled.batch
+        logits = self.runner.execute(batch)
         self.prompt_tokens_total += sum(min(n, max(s.num_prompt - s.num_computed, 0))
                                         for s, n in zip(scheduled.seqs, scheduled.num_tokens))
+        sample_rows = []
+        for seq, rows, samples, all_rows in zip(scheduled.seqs, batch.logits_rows(), batch.sample,
+                                                batch.all_logits):
+            if all_rows:
+                self._collect_prompt_logprobs(seq, logits[rows.start:rows.stop])
+            if samples:  # the prompt's forks sample from the same row
+                sample_rows += [rows.stop - 1] * (1 + len(seq.forks))
         sampling = scheduled.sampling
+        if sample_rows != list(range(logits.shape[0])):
+            logits = logits[sample_rows]
         sampled = sample(logits, sampling, self.eos_token_ids) if sampling else []
         updates = self.scheduler.postprocess(scheduled, sampled)
         self.generation_tokens_total += len(updates)
-        return [self._output(u) for u in updates]
+        outputs = [self._output(u) for u in updates]
+        for u in updates:  # a request is done when its last sequence is
+            group = self._requests.get(u.seq.request_id, ())
+            if u.finish_reason is not None and all(s.finish_reason is not None for s in group):
+                self._requests.pop(u.seq.request_id, None)
+        return outputs
+
+    def _collect_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens that this step's rows of ``seq`` predict (row j, at position
+        ``num_computed + j``, predicts the token after it), appended to ``seq.prompt_logprobs``."""
+        collected, start = seq.prompt_logprobs, seq.num_computed
+        if not collected:
+            collected.append(None)  # the first prompt token has no logprob
+        first = max(len(collected) - 1 - start, 0)  # the row predicting the next uncollected prompt token
+        stop = min(logits.shape[0], seq.num_prompt - 1 - start)
+        if stop <= first:
+            return
+        logprobs = torch.log_softmax(logits[first:stop], dim=-1)
+        targets = torch.tensor(seq.token_ids[start + first + 1:start + stop + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=1) + 1
+        for row, token_id, logprob, rank in zip(logprobs, targets.tolist(), chosen.squeeze(1).tolist(),
+                                                ranks.tolist()):
+            collected.append((token_id, logprob, rank, ranked(row, token_id, logprob, seq.params.prompt_logprobs)))
 
     def _output(self, update: Update) -> RequestOutput:
         seq, reason = update.seq, update.finish_reason
-        if reason is not None:
-            del self._requests[seq.request_id]
+        group = self._requests[seq.request_id]
         logprobs = token_logprobs(self.tokenizer, update.sampled) if seq.params.logprobs is not None else None
-        usage = Usage(seq.num_prompt, seq.num_output, seq.num_cached_prompt) if reason is not None else None
-        return seq.request_id, GenerationChunk(update.text, [update.sampled.token_id], logprobs, reason, usage)
+        usage = Usage(seq.num_prompt, sum(s.num_output for s in group), group[0].num_cached_prompt)
+        chunk = GenerationChunk(update.text, [update.sampled.token_id], logprobs, reason, usage, seq.index,
+                                seq.stop.stop_reason if reason is not None else None)
+        if seq.num_output == 1 and group[0].prompt_logprobs is not None:
+            chunk.prompt_logprobs = self._prompt_logprobs(group[0])
+        return seq.request_id, chunk
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob | None]:
+        """vLLM's prompt_logprobs: None for the first token, then each token's logprob and rank with the top
+        alternatives (ranked 1, 2, ...)."""
+        def text(token_id: int) -> str:
+            return self.tokenizer.decode([token_id], False)
+
+        return [None if entry is None else TokenLogprob(entry[0], text(entry[0]), entry[1],
+                                                        [(t, text(t), lp) for t, lp in entry[3]], entry[2])
+                for entry in seq.prompt_logprobs]
 
     # ---------------------------------------------------------------------------------- figures
     def settings(self) -> dict:
@@ -183,15 +267,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ offline use
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationChunk]:
-        """Run prompts to completion together; one folded chunk per prompt, in order."""
+        """Run prompts to completion together; one folded chunk per choice: the ``n`` choices of each
+        prompt in turn (one per prompt when n is 1)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self._offline_ids + i}" for i in range(len(prompts))]
         self._offline_ids += len(prompts)
         for rid, prompt, p in zip(ids, prompts, plist):
             self.check_request(prompt, p)
-            self.add_request(rid, prompt, p)
-        folded = {rid: GenerationChunk() for rid in ids}
+            self.add_request(rid, prompt, p, self.compile_grammar(p.structured) if p.structured else None)
+        folded = {(rid, i): GenerationChunk(index=i) for rid, p in zip(ids, plist) for i in range(p.n)}
         while self.has_unfinished():
             for rid, chunk in self.step():
-                folded[rid].extend(chunk)
-        return [folded[rid] for rid in ids]
+                folded[rid, chunk.index].extend(chunk)
+        return list(folded.values())

@@ -143,15 +143,25 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release beyond memory (the tensor-parallel runner stops its workers here)."""
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source → destination) in every layer: copy-on-write of shared blocks."""
+        src = self._ids([s for s, _ in copies])
+        dst = self._ids([d for _, d in copies])
+        for k_cache, v_cache in self.kv_caches:  # [Hkv, blocks, block_size, D]
+            k_cache[:, dst] = k_cache[:, src]
+            v_cache[:, dst] = v_cache[:, src]
+
     # --------------------------------------------------------------------------------------- step
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor | None:
-        """Run one step; returns fp32 logits [num_sampled, vocab] for the sequences that sample (on rank 0;
+        """Run one step; returns fp32 logits [rows, vocab], the rows of ``batch.logits_rows()`` (on rank 0;
         None on other ranks)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if batch.block_copies:
+            self.copy_blocks(batch.block_copies)
+        if self.graphs is not None and all(batch.sample) and not any(batch.all_logits) and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         meta = self.kernels.attention.build(batch)
         return self.model(self._ids(batch.token_ids), self._ids(batch.positions), self.kv_caches, meta)

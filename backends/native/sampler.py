@@ -1,11 +1,13 @@
 """Next-token choice with vLLM's semantics.
 
-Order of operations as in vLLM: penalties (repetition on prompt and output, presence/frequency on
-output), min_tokens masking of stop tokens, then greedy argmax or temperature → top-k → top-p → min-p
-and a draw. A draw is one uniform number against the row's cumulative distribution, taken from the
+Order of operations as in vLLM: the grammar bitmask of structured outputs (vLLM applies it to the
+logits before its sampler), then min_tokens masking of stop tokens and logit_bias, then penalties
+(repetition on prompt and output, presence/frequency on output), then greedy argmax or temperature →
+top-k → top-p → min-p and a draw. A draw is one uniform number against the row's cumulative distribution, taken from the
 request's own generator when it has a seed, so a seeded request samples the same tokens whatever else
 is batched.
-Logprobs are those of the raw model distribution (vLLM V1's default ``raw_logprobs``).
+Logprobs are those of the distribution before sampling parameters (vLLM V1's default ``raw_logprobs``),
+the grammar's mask included; alternatives are listed as vLLM does: the chosen token, then the top ones.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from backends.base import TokenLogprob
 from backends.native.sequence import Sequence
+from backends.native.structured_output import apply_grammar_bitmasks
 from backends.tokenizer import Tokenizer
 
 
@@ -36,7 +39,9 @@ def token_logprobs(tokenizer: Tokenizer, sampled: Sampled) -> list[TokenLogprob]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[Sampled]:
-    """Pick one token per row of ``logits`` [B, V] (fp32, on any device) for the matching sequence."""
+    """Pick one token per row of ``logits`` [B, V] (fp32, on any device; constrained rows are masked in
+    place) for the matching sequence."""
+    logits = apply_grammar_bitmasks(logits, seqs)
     want_logprobs = [s.params.logprobs is not None for s in seqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     logits = _apply_penalties(logits, seqs, eos_token_ids)
@@ -57,11 +62,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
     if rows:
         chosen = raw_logprobs[rows].gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
         for i, logprob in zip(rows, chosen):
-            out[i].logprob, out[i].top = logprob, []
-            if k := seqs[i].params.logprobs:
-                values, ids = raw_logprobs[i].topk(k)
-                out[i].top = list(zip(ids.tolist(), values.tolist()))
+            out[i].logprob = logprob
+            out[i].top = ranked(raw_logprobs[i], out[i].token_id, logprob, seqs[i].params.logprobs)
     return out
+
+
+def ranked(logprobs: torch.Tensor, token_id: int, logprob: float, k: int) -> list[tuple[int, float]]:
+    """vLLM's alternatives of one position: the token itself, then the ``k`` most likely others."""
+    top = [(token_id, logprob)]
+    if k:
+        values, ids = logprobs.topk(k)
+        top += [(t, lp) for t, lp in zip(ids.tolist(), values.tolist()) if t != token_id]
+    return top
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
@@ -70,11 +82,17 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
         p = seq.params
         needs_min_tokens = seq.num_output < p.min_tokens
         needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        if not (needs_min_tokens or needs_penalty):
+        if not (needs_min_tokens or needs_penalty or p.logit_bias):
             continue
         if not cloned:
             logits, cloned = logits.clone(), True
         row = logits[i]
+        if needs_min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            row[sorted(stops)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=logits.device)
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=logits.device)
             vals = row[seen]
@@ -83,9 +101,6 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
             counts = torch.bincount(torch.tensor(seq.output_ids, dtype=torch.int64, device=logits.device),
                                     minlength=row.shape[0])
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if needs_min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            row[sorted(stops)] = float("-inf")
     return logits
 
 

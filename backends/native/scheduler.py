@@ -3,7 +3,9 @@
 Each step: running sequences first (decodes, and prefills already under way), in arrival order, then
 waiting sequences FCFS while the token budget (``max_num_batched_tokens``) and ``max_num_seqs`` allow,
 their prompts chunked to fit. When blocks run out the newest running sequence is preempted: its blocks
-are freed and it is recomputed later from its tokens (vLLM's RECOMPUTE policy).
+are freed and it is recomputed later from its tokens (vLLM's RECOMPUTE policy). The other samples of a
+request with ``n`` > 1 join the batch when its prompt is computed (``Sequence.forks``): they share its
+blocks and sample their first token from the same logits.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ class ScheduledStep:
 
     @property
     def sampling(self) -> list[Sequence]:
-        """The sequences that get a new token from this step, in batch order."""
-        return [seq for seq, sample in zip(self.seqs, self.batch.sample) if sample]
+        """The sequences that get a new token from this step, in batch order; the waiting forks of a prompt
+        computed by this step follow it (they sample from its logits row)."""
+        out = []
+        for seq, sample in zip(self.seqs, self.batch.sample):
+            if sample:
+                out.append(seq)
+                out.extend(seq.forks)
+        return out
 
 
 @dataclass
@@ -57,11 +65,15 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop ``seq`` wherever it is and free its blocks. Safe to call twice."""
+        """Drop ``seq`` (and forks still waiting for its prompt) wherever it is, freeing its blocks. Safe to
+        call twice."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        for fork in seq.forks:
+            self._finish(fork, "abort")
+        seq.forks = []
         self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -119,7 +131,9 @@ class Scheduler:
             return None
         # Single-token sequences first, longest context first: the attention paths batch them together.
         order = sorted(chosen, key=lambda s: (chosen[s] != 1, -s.num_computed))
-        return ScheduledStep(order, [chosen[s] for s in order], self._batch(order, chosen))
+        batch = self._batch(order, chosen)
+        batch.block_copies = self.blocks.take_copies()
+        return ScheduledStep(order, [chosen[s] for s in order], batch)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -130,7 +144,7 @@ class Scheduler:
 
     def _batch(self, seqs: list[Sequence], chosen: dict[Sequence, int]) -> Batch:
         bs = self.blocks.block_size
-        token_ids, positions, slots, qlens, ctxs, tables, sample = [], [], [], [], [], [], []
+        token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits = [], [], [], [], [], [], [], []
         for seq in seqs:
             n, start = chosen[seq], seq.num_computed
             table = seq.block_table
@@ -146,23 +160,44 @@ class Scheduler:
             ctxs.append(start + n)
             tables.append(table)
             sample.append(start + n == seq.num_tokens)
-        return Batch(token_ids, positions, slots, qlens, ctxs, tables, sample)
+            # Prompt logprobs: every position of a chunk that predicts prompt tokens not collected yet.
+            all_logits.append(seq.prompt_logprobs is not None and start + n > len(seq.prompt_logprobs) - 1
+                              and len(seq.prompt_logprobs) < seq.num_prompt)
+        return Batch(token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits)
 
     def postprocess(self, step: ScheduledStep, sampled: list[Sampled]) -> list[Update]:
         """Everything a finished step changes, in one place: computed tokens advance (and full blocks enter
-        the prefix cache), each sampling sequence gets its token (``sampled``, in ``step.sampling`` order),
-        the stop rules decide whether it ends, and ended sequences give their blocks back."""
+        the prefix cache), a computed prompt's forks join with its blocks shared, each sampling sequence
+        gets its token (``sampled``, in ``step.sampling`` order) and its grammar advances, the stop rules
+        decide whether it ends, and ended sequences give their blocks back."""
         updates, picks = [], iter(sampled)
         for seq, n, samples in zip(step.seqs, step.num_tokens, step.batch.sample):
             seq.num_computed += n
             self.blocks.register_full_blocks(seq)
             if not samples:
                 continue
-            pick = next(picks)
-            seq.token_ids.append(pick.token_id)
-            text, reason = seq.stop.add(pick.token_id, seq.num_tokens)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-            updates.append(Update(seq, pick, text, reason))
+            group = [seq, *seq.forks]
+            for fork in seq.forks:
+                self._fork(seq, fork)
+            seq.forks = []
+            for member in group:
+                updates.append(self._append(member, next(picks)))
         return updates
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        self.blocks.fork(parent, child)
+        child.num_computed = parent.num_computed
+        child.num_cached_prompt = parent.num_cached_prompt
+        child.admitted = True
+        child.status = Status.RUNNING
+        self.running.append(child)
+
+    def _append(self, seq: Sequence, pick: Sampled) -> Update:
+        seq.token_ids.append(pick.token_id)
+        text, reason = seq.stop.add(pick.token_id, seq.num_tokens)
+        if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(pick.token_id):
+            reason = reason or "abort"  # the grammar allowed no token (e.g. all masked): nothing valid can follow
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+        return Update(seq, pick, text, reason)

@@ -1,4 +1,9 @@
-"""One request's state inside the engine: its tokens, how many are in the KV cache, its blocks."""
+"""One sequence's state inside the engine: its tokens, how many are in the KV cache, its blocks.
+
+A request with ``n`` > 1 is ``n`` sequences: the first (index 0) prefills the prompt; the others wait in
+its ``forks`` and, once the prompt is computed, take a copy of its block table (the blocks shared,
+reference-counted) and their own first token from the same logits.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,10 @@ class Sequence:
     admitted: bool = False  # has been scheduled at least once
     generator: Any = None  # torch.Generator for seeded sampling, owned by the engine
     stop: StopChecker | None = None  # detokenizes and decides when it ends (set by the engine)
+    index: int = 0  # the choice it answers (of a request with n > 1)
+    grammar: Any = None  # xgrammar GrammarMatcher of a structured output, advanced token by token
+    forks: list[Sequence] = field(default_factory=list)  # siblings waiting for this one's prompt
+    prompt_logprobs: list | None = None  # per prompt token, collected while prefilling (None: not asked)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -30,15 +30,6 @@ def test_sse_framing_and_done(gateway_url):
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] > 0
 
 
-def test_continuous_usage_on_the_last_token_chunk(gateway_url):
-    with httpx.stream("POST", f"{gateway_url}/v1/completions", json={
-            "model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": False, "continuous_usage_stats": True}}) as r:
-        bodies = [json.loads(e) for e in _events(r.read().decode())[:-1]]
-    assert bodies[-1]["choices"][0]["finish_reason"] == "length"
-    assert bodies[-1]["usage"]["completion_tokens"] == 3
-
-
 def test_error_before_first_token_keeps_http_status(gateway_url):
     r = httpx.post(f"{gateway_url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
                                                           "max_tokens": 5000})

@@ -55,8 +55,7 @@ class AttentionBackend(abc.ABC):
         for n in batch.query_lens:
             starts.append(acc)
             acc += n
-        sampled = [s + n - 1 for s, n, smp in zip(starts, batch.query_lens, batch.sample) if smp]
-        return starts, self.int64(batch.slot_mapping), self.int64(sampled)
+        return starts, self.int64(batch.slot_mapping), self.int64(batch.logits_indices())
 
 
 def pad_tables(tables: list[list[int]], fill: int = 0) -> list[list[int]]:
