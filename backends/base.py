@@ -315,6 +315,23 @@ def refuse_extra_fields(request: GenerationRequest, server: str) -> None:
         raise InvalidRequestError(f"{name} is not supported by {server}", param=name)
 
 
+_DEFAULTS = SamplingParams()
+REQUEST_OPTIONS = ("tools", "echo")  # GenerationRequest fields a backend may list as unsupported
+
+
+def refuse_unsupported(request: GenerationRequest, unsupported: tuple[str, ...], server: str) -> None:
+    """A 400 naming the first field of ``request`` that ``server`` cannot honour: a ``SamplingParams`` field
+    of ``unsupported`` set to anything but its default, tools or echo when listed, and any field the gateway
+    did not interpret (``request.extra``). The field is named as the client sent it."""
+    p = request.params
+    for name in unsupported:
+        used = bool(getattr(request, name)) if name in REQUEST_OPTIONS else getattr(p, name) != getattr(_DEFAULTS, name)
+        if used:
+            param = p.structured.param if name == "structured" else name
+            raise InvalidRequestError(f"{param} is not supported by {server} backends", param=param)
+    refuse_extra_fields(request, server)
+
+
 # ---------------------------------------------------------------------------------------- protocol
 class Backend(abc.ABC):
     """A model server the gateway can send generations to.

@@ -28,6 +28,7 @@ from backends.base import (
     UnavailableError,
     UpstreamError,
     Usage,
+    refuse_unsupported,
 )
 from backends.native.config import DTYPES
 from backends.native.sampler import Sampled, sample, token_logprobs
@@ -59,6 +60,9 @@ class _Job:
 
 class DeepSpeedInferenceBackend(Backend):
     """A transformers model wrapped by ``deepspeed.init_inference``, batched and streamed in one thread."""
+
+    # Static batches of single samples, no grammar engine: these are refused (logit_bias works: shared sampler).
+    unsupported = ("n", "prompt_logprobs", "structured", "tools", "echo")
 
     def __init__(self, model_name: str, cfg: DeepSpeedConfig) -> None:
         self.model_name = model_name
@@ -129,6 +133,7 @@ class DeepSpeedInferenceBackend(Backend):
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._thread is None or not self._thread.is_alive():
             raise UnavailableError("DeepSpeed-Inference is not running")
+        refuse_unsupported(request, self.unsupported, "DeepSpeed-Inference")
         params = request.params
         params.validate()
         prompt_ids = (list(request.prompt) if isinstance(request.prompt, list)

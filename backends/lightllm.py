@@ -34,7 +34,7 @@ class LightLLMBackend(GenerateAPIBackend):
     kind = "lightllm"
     openai_chat_path = "/v1"
     server_name = "LightLLM"
-    unsupported = ("min_p", "stop_token_ids", "seed")
+    unsupported = ("min_p", "stop_token_ids", "seed", *GenerateAPIBackend.unsupported)
     errors = ERRORS
     error_field = "message"
 

@@ -35,7 +35,7 @@ class MIIRestBackend(TextServerBackend):
     health_path = "/healthz"
     server_name = "DeepSpeed-MII"
     unsupported = ("min_p", "seed", "logprobs", "stop_token_ids", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+                   "frequency_penalty", *TextServerBackend.unsupported)
 
     def __init__(self, model_name: str, cfg: MIIConfig) -> None:
         super().__init__(model_name, cfg)

@@ -5,7 +5,11 @@ prompts go to ``/completions``. Streamed requests are streamed upstream (with ``
 relayed chunk by chunk; closing our iterator closes the HTTP response, which vLLM and burstgate turn
 into an abort. Non-streamed requests are fetched whole (one JSON instead of an SSE event per token).
 vLLM's extra sampling fields are sent only when they differ from the defaults, so strict servers
-never see them.
+never see them; every field the gateway does not interpret itself (``GenerationRequest.extra``) is
+forwarded as the client sent it, for the server to honour or refuse. Structured outputs go as OpenAI's
+``response_format`` when it can say them (JSON schema, JSON object) and as vLLM's ``structured_outputs``
+otherwise; tools, ``n``, ``logit_bias``, ``echo`` and ``prompt_logprobs`` go as they are, and choices,
+tool calls, stop reasons and prompt logprobs come back into the chunks.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from backends.base import (
     InvalidRequestError,
     OverloadedError,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
+    ToolCallDelta,
     UnavailableError,
     UpstreamError,
     Usage,
@@ -55,7 +61,8 @@ class OpenAIHTTPBackend(Backend):
                 async for chunk in _parse_sse(r, chat):
                     yield chunk
             else:
-                yield _whole(await r.read(), chat)
+                for chunk in _whole(await r.read(), chat):
+                    yield chunk
 
     async def health(self) -> bool:
         return await self._http.ok("/models")
@@ -102,7 +109,33 @@ class OpenAIHTTPBackend(Backend):
         else:
             body["prompt"] = request.prompt
         body.update(_sampling_fields(request.params, chat))
+        if request.tools is not None:
+            body.update(tools=request.tools, tool_choice=request.tool_choice)
+            if not request.parallel_tool_calls:
+                body["parallel_tool_calls"] = False
+        optional = {"echo": request.echo, "user": request.user}
+        body.update({k: v for k, v in optional.items() if v})
+        body.update(request.extra)
         return body
+
+
+def _structured_fields(so: StructuredOutput) -> dict[str, Any]:
+    """A constraint as OpenAI's ``response_format`` where it has a form, else as vLLM's ``structured_outputs``."""
+    if so.kind == "json_object" and so.any_whitespace:
+        return {"response_format": {"type": "json_object"}}
+    if so.kind == "json" and so.any_whitespace:
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": so.name or "response", "schema": json.loads(so.spec), "strict": True}}}
+    if so.kind == "structural_tag":
+        return {"response_format": json.loads(so.spec)}
+    if so.kind in ("json", "choice"):
+        value: Any = json.loads(so.spec)
+    else:
+        value = True if so.kind == "json_object" else so.spec  # regex, grammar: the text itself
+    fields = {so.kind: value}
+    if not so.any_whitespace:
+        fields["disable_any_whitespace"] = True
+    return {"structured_outputs": fields}
 
 
 def _sampling_fields(p: SamplingParams, chat: bool) -> dict[str, Any]:
@@ -117,6 +150,14 @@ def _sampling_fields(p: SamplingParams, chat: bool) -> dict[str, Any]:
         "skip_special_tokens": (p.skip_special_tokens, True),
     }
     fields.update({k: v for k, (v, default) in optional.items() if v != default})
+    if p.n != 1:
+        fields["n"] = p.n
+    if p.logit_bias:
+        fields["logit_bias"] = {str(token): bias for token, bias in p.logit_bias.items()}
+    if p.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = p.prompt_logprobs
+    if p.structured is not None:
+        fields.update(_structured_fields(p.structured))
     if p.logprobs is not None:
         if chat:
             fields.update(logprobs=True, top_logprobs=p.logprobs)
@@ -148,7 +189,7 @@ def _status_error(status: int, content: bytes) -> BackendError:
 
 async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
     finished = False
-    pending: GenerationChunk | None = None  # the finish chunk waits for the usage chunk that follows it
+    pending: GenerationChunk | None = None  # the last finish chunk waits for the usage chunk that follows
     async for event in sse_events(response):
         if event == DONE:
             break
@@ -157,11 +198,13 @@ async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
             raise UpstreamError(f"upstream error mid-stream: {err.get('message', err) if isinstance(err, dict) else err}")
         usage = _usage(event.get("usage"))
         for choice in event.get("choices") or []:
-            chunk = _chunk(choice, chat)
+            chunk = _chunk(choice, chat, choice.get("delta") or {})
             if chunk.finish_reason is not None:
+                if pending is not None:
+                    yield pending
                 finished, pending = True, chunk
                 chunk.usage = usage
-            elif chunk.text or chunk.logprobs:
+            elif chunk.text or chunk.logprobs or chunk.tool_calls:
                 yield chunk
         if usage is not None and pending is not None:
             pending.usage = usage
@@ -171,27 +214,50 @@ async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
         raise UpstreamError("upstream stream ended without a finish reason")
 
 
-def _whole(content: bytes, chat: bool) -> GenerationChunk:
-    """A non-streamed reply as one final chunk."""
+def _whole(content: bytes, chat: bool) -> list[GenerationChunk]:
+    """A non-streamed reply as one final chunk per choice, the usage on the last."""
     reply = json_body(content)
     try:
-        choice = reply["choices"][0]
-    except (KeyError, IndexError, TypeError) as exc:
+        choices = list(reply["choices"])
+        chunks = [_chunk(choice, chat, choice.get("message") or {}) for choice in choices]
+    except (KeyError, TypeError, AttributeError) as exc:
         raise UpstreamError(f"malformed reply from upstream: {content[:200]!r}") from exc
-    text = (choice.get("message") or {}).get("content") or "" if chat else choice.get("text") or ""
-    chunk = _chunk({**choice, "delta": {"content": text}, "text": text}, chat)
-    if chunk.finish_reason is None:
+    if not chunks or any(c.finish_reason is None for c in chunks):
         raise UpstreamError("upstream reply has no finish_reason")
-    chunk.usage = _usage(reply.get("usage"))
-    return chunk
+    if chat and reply.get("prompt_logprobs") is not None:
+        chunks[0].prompt_logprobs = _prompt_logprobs(reply["prompt_logprobs"])
+    chunks[-1].usage = _usage(reply.get("usage"))
+    return chunks
 
 
-def _chunk(choice: dict, chat: bool) -> GenerationChunk:
-    text = (choice.get("delta") or {}).get("content") or "" if chat else choice.get("text") or ""
+def _chunk(choice: dict, chat: bool, message: dict) -> GenerationChunk:
+    """A choice of a reply (``message``: its message) or of a stream event (``message``: its delta)."""
+    text = (message.get("content") or "") if chat else choice.get("text") or ""
     reason = choice.get("finish_reason")
-    if reason is not None and reason not in ("stop", "length"):
-        reason = "stop"  # e.g. tool_calls / content_filter / eos_token: the answer ended normally
-    return GenerationChunk(text=text, logprobs=_logprobs(choice.get("logprobs"), chat), finish_reason=reason)
+    if reason is not None and reason not in ("stop", "length", "tool_calls"):
+        reason = "stop"  # e.g. content_filter / eos_token: the answer ended normally
+    calls = [ToolCallDelta(c.get("index", k), c.get("id"), (c.get("function") or {}).get("name"),
+                           (c.get("function") or {}).get("arguments") or "")
+             for k, c in enumerate(message.get("tool_calls") or [])] if chat else []
+    return GenerationChunk(text=text, logprobs=_logprobs(choice.get("logprobs"), chat), finish_reason=reason,
+                           index=choice.get("index", 0), stop_reason=choice.get("stop_reason"),
+                           tool_calls=calls or None,
+                           prompt_logprobs=_prompt_logprobs(choice.get("prompt_logprobs")))
+
+
+def _prompt_logprobs(entries: list | None) -> list[TokenLogprob | None] | None:
+    """vLLM's ``prompt_logprobs`` (per token ``{id: {logprob, rank, decoded_token}}``, the token first)."""
+    if entries is None:
+        return None
+    out: list[TokenLogprob | None] = []
+    for entry in entries:
+        if not entry:
+            out.append(None)
+            continue
+        top = [(int(t), e.get("decoded_token") or "", e["logprob"]) for t, e in entry.items()]
+        first = next(iter(entry.values()))
+        out.append(TokenLogprob(top[0][0], top[0][1], top[0][2], top, first.get("rank")))
+    return out
 
 
 def _usage(u: dict | None) -> Usage | None:
@@ -209,4 +275,4 @@ def _logprobs(lp: dict | None, chat: bool) -> list[TokenLogprob] | None:
                 for e in lp.get("content") or []]
     tops = lp.get("top_logprobs") or [{}] * len(lp.get("tokens", []))
     return [TokenLogprob(-1, tok, l, [(-1, t, v) for t, v in (top or {}).items()])
-            for tok, l, top in zip(lp.get("tokens", []), lp.get("token_logprobs", []), tops)]
+            for tok, l, top in zip(lp.get("tokens", []), lp.get("token_logprobs", []), tops)]  # l: None when echoed

@@ -19,6 +19,7 @@ from backends.base import (
     SamplingParams,
     UpstreamError,
     Usage,
+    refuse_unsupported,
 )
 from backends.http import HTTPClient, TextServerConfig, json_body, raise_for_status, sse_events, transport_errors
 from backends.openai_http import OpenAIHTTPBackend
@@ -38,7 +39,8 @@ class TextServerBackend(Backend):
     openai_chat_path: str | None = None  # where the server's OpenAI routes live, if it has them ("/v1")
     health_path = "/health"
     server_name = "text servers"  # in error messages
-    unsupported: tuple[str, ...] = ()  # SamplingParams fields the server has no equivalent for
+    # What the server has no equivalent for (``SamplingParams`` fields, "tools", "echo"), refused with a 400.
+    unsupported: tuple[str, ...] = ("n", "logit_bias", "prompt_logprobs", "structured", "tools", "echo")
 
     def __init__(self, model_name: str, cfg: TextServerConfig) -> None:
         self.name = f"{self.kind}:{cfg.url}"
@@ -68,7 +70,7 @@ class TextServerBackend(Backend):
                 async for chunk in chunks:
                     yield chunk
             return
-        refuse_unsupported(request.params, self.unsupported, self.server_name)
+        refuse_unsupported(request, self.unsupported, self.server_name)
         prompt = self._prompt_text(request)
         stops = StopStringFilter(request.params.stop)
         generated = 0
@@ -143,12 +145,3 @@ class GenerateAPIBackend(TextServerBackend):
     def event_chunk(self, event: Any, params: SamplingParams) -> GenerationChunk | None:
         """The chunk of one ``/generate_stream`` event (None: skip it)."""
 
-
-_DEFAULTS = SamplingParams()
-
-
-def refuse_unsupported(params: SamplingParams, names: tuple[str, ...], server: str) -> None:
-    """A 400 naming the first of ``names`` that ``params`` sets to anything but its default."""
-    for name in names:
-        if getattr(params, name) != getattr(_DEFAULTS, name):
-            raise InvalidRequestError(f"{name} is not supported by {server} backends", param=name)

@@ -12,6 +12,8 @@ OpenAI route ``/v1/chat/completions`` or through a local chat template (``chat:`
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +23,7 @@ from backends.base import (
     InvalidRequestError,
     OverloadedError,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
     UnavailableError,
     UpstreamError,
@@ -38,8 +41,10 @@ class TGIBackend(GenerateAPIBackend):
     kind = "tgi"
     openai_chat_path = "/v1"
     server_name = "text-generation-inference"
-    # No TGI equivalent: TGI rejects what it cannot do rather than ignore it, and so do we.
-    unsupported = ("min_p", "min_tokens", "ignore_eos", "stop_token_ids", "presence_penalty")
+    # No TGI equivalent: TGI rejects what it cannot do rather than ignore it, and so do we. Structured outputs
+    # it has: JSON schemas and regexes, as its ``grammar`` parameter (``grammar_parameter``).
+    unsupported = ("min_p", "min_tokens", "ignore_eos", "stop_token_ids", "presence_penalty", "n", "logit_bias",
+                   "prompt_logprobs", "tools", "echo")
     errors = ERRORS
 
     async def info(self) -> BackendInfo:
@@ -78,7 +83,10 @@ class TGIBackend(GenerateAPIBackend):
             out["frequency_penalty"] = p.frequency_penalty
         if p.logprobs:
             out["top_n_tokens"] = p.logprobs
+        if p.structured is not None:
+            out["grammar"] = grammar_parameter(p.structured)
         return out
+
 
     def reply_chunk(self, reply: Any, headers: Mapping[str, str], params: SamplingParams) -> GenerationChunk:
         details = reply.get("details") or {}
@@ -121,3 +129,19 @@ def _status_of(error: dict) -> int:
 
 def _raise(status: int, content: bytes) -> None:
     raise_for_status(status, content, ERRORS, "error")
+
+
+def grammar_parameter(so: StructuredOutput) -> dict[str, Any]:
+    """A constraint as TGI's ``grammar`` (router/src/lib.rs ``GrammarType``: ``{"type": "json", "value":
+    <schema>}`` or ``{"type": "regex", "value": <pattern>}``); a choice is a regex of its escaped options.
+    TGI has no EBNF grammars nor structural tags: those are refused naming the field."""
+    if so.kind == "json":
+        return {"type": "json", "value": json.loads(so.spec)}
+    if so.kind == "json_object":
+        return {"type": "json", "value": {"type": "object"}}
+    if so.kind == "regex":
+        return {"type": "regex", "value": so.spec}
+    if so.kind == "choice":
+        return {"type": "regex", "value": "|".join(re.escape(c) for c in json.loads(so.spec))}
+    raise InvalidRequestError(f"{so.param}: {so.kind} constraints are not supported by text-generation-inference "
+                              "(JSON schemas and regexes are)", param=so.param)
