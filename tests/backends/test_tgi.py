@@ -11,6 +11,7 @@ import text_generation
 
 from backends.base import (
     InvalidRequestError,
+    StructuredOutput,
     OverloadedError,
     UnavailableError,
     UpstreamError,
@@ -81,6 +82,29 @@ def test_validation_errors_are_client_errors(tgi_url, params, error, message):
     for stream in (True, False):
         with pytest.raises(error, match=message):
             run(tgi_url, stream, **params)
+
+
+@pytest.mark.parametrize("structured, grammar", [
+    (StructuredOutput("json", '{"type": "object"}', "response_format"), {"type": "json", "value": {"type": "object"}}),
+    (StructuredOutput("json_object", param="response_format"), {"type": "json", "value": {"type": "object"}}),
+    (StructuredOutput("regex", "[0-9]+"), {"type": "regex", "value": "[0-9]+"}),
+    (StructuredOutput("choice", '["a.b", "c"]'), {"type": "regex", "value": "a\\.b|c"}),
+])
+def test_structured_outputs_go_as_tgis_grammar(structured, grammar):
+    app = create_tgi_app()
+    with serve_app(app) as url:
+        run(url, max_tokens=2, structured=structured)
+    assert app.state.parameters[-1]["grammar"] == grammar
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"structured": StructuredOutput("grammar", "root ::= 'a'", "structured_outputs")}, "structured_outputs"),
+    ({"n": 2, "temperature": 1.0}, "n"), ({"logit_bias": {5: 1.0}}, "logit_bias"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_what_tgi_cannot_honour_is_refused_naming_the_field(tgi_url, params, field):
+    with pytest.raises(InvalidRequestError) as refused:
+        run(tgi_url, **params)
+    assert refused.value.param == field
 
 
 def test_token_id_prompts_are_refused(tgi_url):

@@ -3,7 +3,9 @@
 Shapes, status codes and messages follow huggingface/text-generation-inference:
 router/src/server.rs (routes, ``compat_generate`` answering a list, SSE ``data:{json}`` with no
 ``[DONE]``, ``x-prompt-tokens`` header), router/src/lib.rs (StreamResponse, StreamDetails with
-input_length, Details, Token, ErrorResponse, Info) and router/src/validation.rs (error messages).
+input_length, Details, Token, ErrorResponse, Info, ``GrammarType``: ``{"type": "json"|"json_object",
+"value": <schema>}`` or ``{"type": "regex", "value": <pattern>}``) and router/src/validation.rs (error
+messages). The parameters of every request are kept in ``app.state.parameters``, for the tests to read.
 The official client (HF ``text-generation``) is run against it in the tests.
 """
 
@@ -43,10 +45,12 @@ def create_tgi_app(model_id: str = "toy/tgi", max_concurrent: int = 128, token_d
             (len(p.get("stop") or []) > MAX_STOP_SEQUENCES,
              f"`stop` supports up to {MAX_STOP_SEQUENCES} stop sequences. Given: {len(p.get('stop') or [])}"),
             (not inputs, "`inputs` cannot be empty"),
+            (not _grammar_ok(p.get("grammar")), "grammar is not valid"),
         ]
         for failed, message in checks:
             if failed:
                 return error(422, f"Input validation error: {message}", "validation")
+        app.state.parameters.append(p)
         n_in, max_new = toy_model.prompt_tokens(inputs), p.get("max_new_tokens") or 100
         if n_in + max_new > MAX_TOTAL_TOKENS:
             return error(422, f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= "
@@ -141,7 +145,7 @@ def create_tgi_app(model_id: str = "toy/tgi", max_concurrent: int = 128, token_d
     async def health(_: Request) -> Response:
         return Response(status_code=200)
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/", compat, methods=["POST"]),
         Route("/generate", generate, methods=["POST"]),
         Route("/generate_stream", generate_stream, methods=["POST"]),
@@ -151,3 +155,16 @@ def create_tgi_app(model_id: str = "toy/tgi", max_concurrent: int = 128, token_d
         # TGI's OpenAI-compatible routes behave as any OpenAI server: the instant mock's stand in for them.
         *(r for r in create_mock_app(model_id).routes if r.path.startswith("/v1/")),
     ])
+    app.state.parameters = []
+    return app
+
+
+def _grammar_ok(grammar: object) -> bool:
+    """Whether ``grammar`` deserializes as TGI's ``GrammarType`` (absent is fine)."""
+    if grammar is None:
+        return True
+    if not isinstance(grammar, dict) or set(grammar) != {"type", "value"}:
+        return False
+    if grammar["type"] in ("json", "json_object"):
+        return isinstance(grammar["value"], (dict, str))  # a schema, as JSON or as its text
+    return grammar["type"] == "regex" and isinstance(grammar["value"], str)
