@@ -11,8 +11,8 @@ import text_generation
 
 from backends.base import (
     InvalidRequestError,
-    StructuredOutput,
     OverloadedError,
+    StructuredOutput,
     UnavailableError,
     UpstreamError,
 )
