@@ -3,7 +3,8 @@
 Blocks are reference counted. A block whose count drops to zero goes to the back of an LRU free
 queue but keeps its contents and hash, so a later request with the same prefix can take it back;
 it is only forgotten when the queue hands it out again (lazy eviction, as vLLM and nano-vllm do).
-Only full blocks are hashed, each hash chained to its parent's so a hit means "this whole prefix".
+Only full blocks are hashed, each key the sha256 of its parent's key and its own tokens, so a hit means
+"this whole prefix" with no guard needed against colliding keys (vLLM's ``sha256`` prefix-caching hash).
 
 Parallel samples of one prompt (``n`` > 1) share its blocks (``fork``). A shared block is never written:
 the one step that would write a shared partly filled block first gives the writer its own copy
@@ -13,6 +14,8 @@ the one step that would write a shared partly filled block first gives the write
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,8 +26,12 @@ from backends.native.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    hash: bytes | None = None
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The prefix-cache key of a full block: sha256 over the parent block's key and this block's token ids."""
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -36,7 +43,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # chained hash -> block id
+        self._cached: dict[bytes, int] = {}  # chained hash -> block id
         self._copies: list[tuple[int, int]] = []  # (source, destination) block copies for the next step
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
@@ -64,10 +71,9 @@ class BlockManager:
         tokens = seq.token_ids
         hits, parent = [], None
         for i in range((len(tokens) - 1) // self.block_size):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            h = block_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
             block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # guards against collisions
+            if block_id is None:
                 break
             hits.append(block_id)
             parent = h
@@ -143,7 +149,7 @@ class BlockManager:
         if block.hash is not None:
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash = None
         block.ref_count = 1
         return block_id
 
@@ -156,9 +162,8 @@ class BlockManager:
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
-            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = hash((parent, chunk))
-            block.hash, block.token_ids = h, chunk
+            h = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block.hash = h
             self._cached.setdefault(h, block.block_id)  # an equal block cached earlier stays canonical
             parent = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
@@ -168,7 +173,7 @@ class BlockManager:
         assert self.num_free_blocks == self.num_blocks, "blocks are still held"
         self._cached.clear()
         for block in self.blocks:
-            block.hash, block.token_ids = None, ()
+            block.hash = None
         self.prefix_queries = self.prefix_hits = 0
 
     # ------------------------------------------------------------------------------------ release
@@ -180,7 +185,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 if block.hash is None or self._cached.get(block.hash) != block_id:
-                    block.hash, block.token_ids = None, ()  # not findable: nothing to keep
+                    block.hash = None  # not findable: nothing to keep
                 self._free[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.base import SamplingParams
-from backends.native.block_manager import BlockManager
+from backends.native.block_manager import BlockManager, block_hash
 from backends.native.config import EngineConfig
 from backends.native.sampler import Sampled
 from backends.native.scheduler import Scheduler
@@ -81,13 +81,15 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     assert bm.match_prefix(_seq("y", [1, 2, 3, 4, 5])) == []
 
 
-def test_hash_collision_is_guarded_by_token_check():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    a = _seq("a", [1, 2, 3])
+def test_a_blocks_key_is_the_sha256_of_its_whole_prefix():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, b = _seq("a", [1, 2, 3, 4, 5]), _seq("b", [9, 9, 3, 4, 5])
     _prefill(bm, a)
-    block = bm.blocks[a.block_table[0]]
-    block.token_ids = (9, 9)  # as if another prefix had produced the same hash
-    assert bm.match_prefix(_seq("b", [1, 2, 3])) == []
+    _prefill(bm, b)
+    (a1, a2), (b1, b2) = ([bm.blocks[i].hash for i in s.block_table[:2]] for s in (a, b))
+    assert a1 == block_hash(None, [1, 2]) and a2 == block_hash(a1, [3, 4]) and len(a2) == 32
+    assert a2 != b2  # same tokens [3, 4], other prefix: another key, so no false hit
+    assert bm.match_prefix(_seq("c", [9, 8, 3, 4, 5])) == []
 
 
 def test_allocation_is_all_or_nothing():
