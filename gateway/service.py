@@ -17,6 +17,7 @@ from backends.base import (
     GenerationChunk,
     GenerationRequest,
     UnavailableError,
+    UsageTally,
 )
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import Settings
@@ -179,7 +180,7 @@ class Gateway:
         labels = (group.name, deployment.name)
         m = self.metrics
         start = last = time.perf_counter()
-        status, first, usage = "error", True, None
+        status, first, tally = "error", True, UsageTally()  # counts tokens also when the request ends early
         try:
             async with deployment.limiter:
                 m.in_flight.labels(*labels).inc()
@@ -197,8 +198,7 @@ class Gateway:
                                 deployment.observe_ttft(now - start)
                             (m.ttft if first else m.itl).labels(*labels).observe(now - last)
                             first, last = False, now
-                            if chunk.usage is not None:
-                                usage = chunk.usage
+                            tally.add(chunk)
                             yield chunk
                 finally:
                     m.in_flight.labels(*labels).dec()
@@ -218,7 +218,8 @@ class Gateway:
         finally:
             m.requests.labels(*labels, status).inc()
             m.e2e.labels(*labels).observe(time.perf_counter() - start)
-            if usage is not None:
+            usage = tally.total()  # a cancelled or failed request is charged what it generated
+            if usage.total_tokens:
                 m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
                 m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
                 await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)

@@ -9,10 +9,12 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import hash_key
+from gateway.app import create_app
+from gateway.config import Settings, hash_key
 from gateway.limits import WINDOW_S, RedisRateLimiter
+from gateway.service import Gateway
 from tests.conftest import MODEL
-from tests.servers import free_port, redis_server
+from tests.servers import free_port, redis_server, serve_app
 
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
 
@@ -73,6 +75,29 @@ def test_tokens_per_minute_limit(start_gateway):
         assert _post(url, "sk-k", body).status_code == 200  # ~10 tokens
         assert _post(url, "sk-k", body).status_code == 200  # ~20: now spent
         assert _post(url, "sk-k", body).status_code == 429
+
+
+def test_tokens_of_an_abandoned_stream_are_charged_and_counted(start_gateway, engine_idle):
+    """Through an OpenAI deployment, whose upstream reports usage only at the end: a stream abandoned
+    before then is charged, and counted, for the tokens it got."""
+    _fresh_window()
+    with start_gateway() as (upstream, _):
+        settings = Settings(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 12}], models=[
+            {"name": MODEL, "deployments": [{"kind": "openai", "url": f"{upstream}/v1", "upstream_model": MODEL}]}])
+        with serve_app(create_app(Gateway.from_settings(settings))) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-k", max_retries=0)
+            stream = client.completions.create(model=MODEL, prompt="Count:", max_tokens=1000, stream=True,
+                                               extra_body={"ignore_eos": True})
+            for received, _ in enumerate(stream, start=1):
+                if received == 12:  # 12 tokens: the key's minute is spent, though no usage ever came
+                    break
+            stream.close()
+            time.sleep(0.5)  # the gateway sees the hang-up and ends the attempt
+            metrics = httpx.get(f"{url}/metrics").text
+            counted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                           if line.startswith("burstgate:generation_tokens_total{"))
+            assert 12 <= counted < 1000  # what it generated before the hang-up, not its max_tokens
+            assert _post(url, "sk-k").status_code == 429
 
 
 def test_limits_are_shared_across_replicas_through_redis(start_gateway):
