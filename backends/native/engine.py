@@ -87,7 +87,8 @@ class LLMEngine:
         kernels are compiled or autotuned, caches and allocators grown, so the first real burst runs as
         fast as the second. Leaves no sequence, KV block, prefix-cache entry or counted token behind."""
         started = time.perf_counter()
-        length = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len - 8, 256))
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        length = max(1, min(self.config.max_num_batched_tokens // 2, self.max_model_len - 8, capacity - 8, 256))
         prompts = [[(7 + 13 * i + j) % self.vocab_size for j in range(length)] for i in range(2)]
         self.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         self.blocks.reset_prefix_cache()

@@ -7,6 +7,7 @@ model has one loading path whatever the file format.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 from collections.abc import Iterator
@@ -124,7 +125,9 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------------------------------------- GGUF
+@functools.lru_cache(maxsize=4)
 def _gguf_reader(path: Path):
+    """The parsed file (a read-only memory map): parsing takes seconds, so engines of one file share it."""
     import gguf
 
     return gguf.GGUFReader(str(path))

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from benchmarks.peers import VLLM_PYTHON, free_port, start_vllm
+from benchmarks.peers import VLLM_PYTHON
 from gateway.app import create_app
 from gateway.config import ModelRoute, OpenAIDeployment, Settings
 from gateway.service import Gateway
@@ -23,17 +23,6 @@ from tests.servers import serve_app
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
-
-
-@pytest.fixture(scope="module")
-def vllm_url():
-    port = free_port()
-    proc = start_vllm(port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
