@@ -72,7 +72,7 @@ def test_generation_requests_are_a_model_or_a_clear_refusal(model, strategy):
         try:
             request = model.model_validate(body)
             _valid_params(request.to_sampling_params())
-            request.single_prompt() if model is CompletionRequest else request.template_messages()
+            request.generation_requests("x") if model is CompletionRequest else request.generation_request("x")
         except (ValidationError, InvalidRequestError):
             pass
 

@@ -1,5 +1,7 @@
 """``burstgate serve`` as a user starts it: every engine option reaches the running engine, checked by what
-the engine itself reports on GET /info (the resolved dtype and device, not the configured words)."""
+the engine itself reports on GET /info (the resolved dtype and device, not the configured words). bfloat16
+is asked for because it is not what ``auto`` gives on a CPU without native bf16 (CI's), so a dropped
+option shows; what ``auto`` resolves to is tests/backends/native/test_config.py's."""
 
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import torch
 
-from backends.native.config import cpu_has_native_bf16
 from tests.servers import free_port
 
 
@@ -43,18 +43,11 @@ def _engine(url: str) -> dict:
 
 
 def test_dtype_device_and_name_options_reach_the_running_engine():
-    with serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16") as url:
+    with serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16",
+               "--tensor-parallel-size", "1") as url:
         name, engine = _engine(url)
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
+        assert engine["tensor_parallel_size"] == 1 and engine["warmup"] and engine["num_threads"] >= 1
         reply = httpx.post(f"{url}/v1/completions", json={"model": "smol-bf16", "prompt": "Hi", "max_tokens": 2},
                            timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
-
-
-def test_by_default_the_engine_runs_what_auto_resolves_to_here():
-    with serve() as url:
-        _, engine = _engine(url)
-        on_gpu = torch.cuda.is_available()
-        expected = "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
-        assert engine["dtype"] == expected and engine["device"].startswith("cuda" if on_gpu else "cpu")
-        assert engine["kernels"] and engine["num_blocks"] > 0

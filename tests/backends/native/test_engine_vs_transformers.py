@@ -16,7 +16,7 @@ from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
 from tests.backends.native.reference import hf_greedy, parity_prompts, prefill_batch
 
-NEW_TOKENS = 64
+NEW_TOKENS = 32  # enough to compound any drift; transformers' reference is most of this file's time
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> list[list[int]]:
     return parity_prompts(smollm2_tokenizer)
