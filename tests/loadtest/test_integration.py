@@ -35,17 +35,17 @@ def mock():
         yield url
 
 
-def test_burst_of_200_with_exact_prompt_counts_stored_and_re_rendered(gateway, mock, tmp_path, engine_idle):
+def test_burst_of_100_with_exact_prompt_counts_stored_and_re_rendered(gateway, mock, tmp_path, engine_idle):
     runs, db = tmp_path / "runs", tmp_path / "store.sqlite"
     args = ["loadtest", "run", "--target", f"{gateway}#{MODEL}", "--target", f"{mock}#mock@instant mock",
-            "--requests", "200", "--input-len", "12:40", "--output-len", "4", "--out", str(runs), "--db", str(db)]
+            "--requests", "100", "--input-len", "12:40", "--output-len", "4", "--out", str(runs), "--db", str(db)]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     (folder,) = runs.iterdir()  # each run writes its own folder
     summaries = json.loads((folder / "summary.json").read_text())
     assert [s["model_id"] for s in summaries] == [MODEL, "mock"]
     native = summaries[0]
-    assert native["completed"] == 200 and native["failed"] == 0 and native["total_output_tokens"] == 800
+    assert native["completed"] == 100 and native["failed"] == 0 and native["total_output_tokens"] == 400
     assert native["hardware"] == describe(devices()) and summaries[1]["hardware"] == "instant mock"
     assert native["warmup_requests"] == 4 and native["prompts"].startswith("fresh for this run")  # the defaults
     assert native["request_goodput"] is None and "model" not in native
