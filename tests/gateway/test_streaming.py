@@ -30,6 +30,38 @@ def test_sse_framing_and_done(gateway_url):
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] > 0
 
 
+def _stream(url: str, route: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{url}/v1/{route}", json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200
+        events = _events(r.read().decode())
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_continuous_usage_is_on_every_chunk_and_counts_up(gateway_url):
+    """vLLM's continuous_usage_stats (checked against vLLM in tests/peers: stream_continuous_usage)."""
+    bodies = _stream(gateway_url, "completions", {"prompt": "Count:", "max_tokens": 6, "ignore_eos": True,
+                                                  "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True}})
+    assert all(b.get("usage") for b in bodies)
+    counts = [b["usage"]["completion_tokens"] for b in bodies]
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] <= 1
+
+
+def test_streamed_logprobs_cover_every_token_even_those_without_text(gateway_url):
+    """A stream has one logprob entry per generated token, also for a chunk whose token shows no text
+    (vLLM's; tests/peers: stream_logprobs, chat_stream_logprobs)."""
+    for route, body, entries in [
+            ("completions", {"prompt": "Say <|im_end|> then", "logprobs": 1}, lambda c: c["logprobs"]["tokens"]),
+            ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True},
+             lambda c: c["logprobs"]["content"])]:
+        bodies = _stream(gateway_url, route, {**body, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+                                              "skip_special_tokens": True, "logit_bias": {"2": 30},
+                                              "stream_options": {"include_usage": True}})
+        choices = [c for b in bodies for c in b["choices"]]
+        assert sum(len(entries(c) or []) for c in choices if c.get("logprobs")) == 12 == bodies[-1]["usage"][
+            "completion_tokens"]
+
+
 def test_error_before_first_token_keeps_http_status(gateway_url):
     r = httpx.post(f"{gateway_url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
                                                           "max_tokens": 5000})
