@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,16 +22,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import PEERS, free_port, wait_ready  # noqa: E402
+from peers import PEERS, burstgate, free_port, serving  # noqa: E402
 
-BIN = Path(sys.executable).parent
 LITELLM_BIN = PEERS / "litellm" / "bin" / "litellm"
-
-
-def start(cmd: list[str], url: str, env: dict | None = None, headers: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    wait_ready(url, 180, proc, headers)
-    return proc
 
 
 async def load(url: str, model: str, n: int, concurrency: int, headers: dict) -> tuple[float, list[float]]:
@@ -76,40 +68,33 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--litellm", action="store_true", help=f"also measure LiteLLM's proxy ({LITELLM_BIN})")
     args = ap.parse_args()
-    procs = []
-    try:
-        mock_port, gw_port = free_port(), free_port()
-        mock = f"http://127.0.0.1:{mock_port}"
-        procs.append(start([str(BIN / "burstgate"), "loadtest", "mock-server", "--port", str(mock_port),
-                            "--model", "mock"], mock))
+    with contextlib.ExitStack() as servers:
+        port = free_port()
+        mock = servers.enter_context(serving(burstgate("loadtest", "mock-server", "--port", str(port), "--model", "mock"),
+                                             port, timeout_s=180))
         cfg = Path(tempfile.mkdtemp()) / "gateway.yaml"
         cfg.write_text(f"models:\n  - name: mock\n    deployments:\n      - kind: openai\n        url: {mock}/v1\n")
-        gw = f"http://127.0.0.1:{gw_port}"
-        procs.append(start([str(BIN / "burstgate"), "serve", "--config", str(cfg), "--port", str(gw_port),
-                            "--log-level", "warning"], gw))
+        port = free_port()
+        gw = servers.enter_context(serving(burstgate("serve", "--config", str(cfg), "--port", str(port), "--log-level",
+                                                     "warning"), port, timeout_s=180))
         rows = [measure("direct", mock, "mock", args), measure("burstgate", gw, "mock", args)]
         if args.litellm:
-            lt_port = free_port()
-            lt = f"http://127.0.0.1:{lt_port}"
+            port = free_port()
             lcfg = cfg.parent / "litellm.yaml"
             lcfg.write_text(f"model_list:\n  - model_name: mock\n    litellm_params:\n      model: openai/mock\n"
                             f"      api_base: {mock}/v1\n      api_key: none\n")
-            procs.append(start([str(LITELLM_BIN), "--config", str(lcfg), "--port", str(lt_port), "--host", "127.0.0.1"],
-                               lt, {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-                               {"Authorization": "Bearer sk-bench"}))
-            rows.append(measure("litellm", lt, "mock", args, {"Authorization": "Bearer sk-bench"}))
-        direct, ours = rows[0], rows[1]
-        print(f"\nburstgate adds {ours['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50 one at a time "
-              f"(goal <= 1 ms); keeps {ours['rps'] / direct['rps']:.0%} of direct req/s at c={args.concurrency}")
-        if args.litellm:
-            lite = rows[2]
-            print(f"burstgate / LiteLLM req/s = {ours['rps'] / lite['rps']:.2f}x (goal >= 4x); LiteLLM adds "
-                  f"{lite['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50")
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
-
+            key = {"Authorization": "Bearer sk-bench"}
+            lt = servers.enter_context(serving(
+                [str(LITELLM_BIN), "--config", str(lcfg), "--port", str(port), "--host", "127.0.0.1"], port,
+                {"LITELLM_MASTER_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}, 180, key))
+            rows.append(measure("litellm", lt, "mock", args, key))
+    direct, ours = rows[0], rows[1]
+    print(f"\nburstgate adds {ours['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50 one at a time "
+          f"(goal <= 1 ms); keeps {ours['rps'] / direct['rps']:.0%} of direct req/s at c={args.concurrency}")
+    if args.litellm:
+        lite = rows[2]
+        print(f"burstgate / LiteLLM req/s = {ours['rps'] / lite['rps']:.2f}x (goal >= 4x); LiteLLM adds "
+              f"{lite['serial_p50_ms'] - direct['serial_p50_ms']:.2f} ms at p50")
 
 if __name__ == "__main__":
     main()

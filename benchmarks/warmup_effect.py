@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,9 +22,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import free_port, wait_ready  # noqa: E402
+from peers import burstgate, free_port, run_record, serving  # noqa: E402
 
-BIN = Path(sys.executable).parent
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -53,17 +51,10 @@ def measure(warmup: bool, args) -> dict:
     cfg = Path(tempfile.mkdtemp()) / "serve.yaml"
     cfg.write_text(f"models:\n  - name: {MODEL}\n    deployments:\n      - kind: native\n        warmup: {str(warmup).lower()}\n")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([str(BIN / "burstgate"), "serve", "--config", str(cfg), "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        started = time.perf_counter()
-        wait_ready(url, 600, proc)
+    started = time.perf_counter()
+    with serving(burstgate("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning"), port) as url:
         ready_s = time.perf_counter() - started
         first, second = (asyncio.run(burst(url, f"w{int(warmup)}-{k}", args)) for k in ("a", "b"))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     row = {"warmup": warmup, "ready_s": ready_s, "first": first, "second": second,
            "first_over_second_tok_s": first["output_tok_s"] / second["output_tok_s"]}
     print(f"warmup={str(warmup):5s} ready in {ready_s:5.1f} s | first burst {first['output_tok_s']:6.1f} tok/s, TTFT "
@@ -80,8 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(False, args), measure(True, args)]
     if args.save:
-        args.save.write_text(json.dumps({"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                                         "rows": rows}, indent=2) + "\n")
+        args.save.write_text(json.dumps({**run_record(), "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
