@@ -31,16 +31,23 @@ def on(checkout: Path) -> dict:
     return {"PYTHONPATH": str(checkout.resolve())}
 
 
+def _checkout(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not name or not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH, PATH a checkout of burstgate")
+    return name, Path(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkouts", nargs="+", metavar="NAME=PATH")
+    ap.add_argument("checkouts", nargs="+", metavar="NAME=PATH", type=_checkout)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--serial-requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
-    checkouts = {name: Path(path) for name, path in (c.split("=", 1) for c in args.checkouts)}
+    checkouts = dict(args.checkouts)
     rows = []
     with contextlib.ExitStack() as servers:
         port = free_port()
