@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
-from backends.native.planner import GPUS
+from backends.native.gpus import GPUS
 from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
