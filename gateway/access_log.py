@@ -35,7 +35,7 @@ class RequestIdMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        sent = dict(scope["headers"]).get(HEADER, b"")
+        sent = header(scope, HEADER) or b""
         request_id = sent.decode() if _USABLE.fullmatch(sent) else uuid.uuid4().hex
         token = REQUEST_ID.set(request_id)
         start, status = time.perf_counter(), 499  # no answer begun: the client left first
@@ -55,6 +55,11 @@ class RequestIdMiddleware:
         finally:
             _log_access(scope, status, time.perf_counter() - start)
             REQUEST_ID.reset(token)
+
+
+def header(scope, name: bytes) -> bytes | None:
+    """The first value of the (lower-case) header ``name`` of an ASGI HTTP scope, or None."""
+    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 def _log_access(scope, status: int, seconds: float) -> None:

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError, Usage, UsageTally
 from gateway import errors
 from gateway import response_models as schemas
-from gateway.access_log import RequestIdMiddleware
+from gateway.access_log import RequestIdMiddleware, header
 from gateway.auth import KeyRing, bearer_token
 from gateway.errors import BodyTooLarge, ClientDisconnected, sse_error_event
 from gateway.info import server_info
@@ -230,6 +230,7 @@ async def _merge(streams: list[AsyncIterator[GenerationChunk]], n: int) -> Async
 
     tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
     latest: list[Usage | None] = [None] * len(streams)
+    usage = Usage(0, 0, 0)
     try:
         for _ in range(len(streams)):
             while True:
@@ -238,9 +239,10 @@ async def _merge(streams: list[AsyncIterator[GenerationChunk]], n: int) -> Async
                     break
                 if isinstance(item, Exception):
                     raise item
-                latest[k] = item.usage or latest[k]
-                usage = Usage(*(sum(getattr(u, f) for u in latest if u) for f in
-                                ("prompt_tokens", "completion_tokens", "cached_tokens")))
+                if item.usage is not None:  # the sum changes only when a stream's usage does
+                    latest[k] = item.usage
+                    usage = Usage(*(sum(getattr(u, f) for u in latest if u) for f in
+                                    ("prompt_tokens", "completion_tokens", "cached_tokens")))
                 yield dataclasses.replace(item, index=k * n + item.index, usage=usage)
     finally:
         for task in tasks:
@@ -288,7 +290,7 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        length = header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await errors.error_response(errors.body_too_large(self.limit))(scope, receive, send)
         seen = 0

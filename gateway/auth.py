@@ -7,26 +7,25 @@ which key (or how much of one) was right. Keys never reach a log line or an erro
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
 from fastapi import Request
 
 from gateway import errors
-from gateway.config import ApiKey
+from gateway.config import ApiKey, hash_key
 
 
 class KeyRing:
     """A set of keys, by digest."""
 
     def __init__(self, keys: list[ApiKey]) -> None:
-        self._keys = [(bytes.fromhex(k.sha256), k) for k in keys]
+        self._keys = [(k.sha256.lower(), k) for k in keys]  # hash_key's form; sha256: may be given in capitals
 
     def __bool__(self) -> bool:
         return bool(self._keys)
 
     def match(self, token: str) -> ApiKey | None:
-        digest = hashlib.sha256(token.encode()).digest()
+        digest = hash_key(token)
         found = None
         for stored, key in self._keys:  # no early exit: every digest is compared
             if hmac.compare_digest(stored, digest):

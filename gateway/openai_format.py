@@ -20,6 +20,11 @@ from backends.base import GenerationChunk, TokenLogprob, ToolCallDelta, Usage
 SYSTEM_FINGERPRINT = "burstgate-0.1.0"
 
 
+def _floor(logprob: float) -> float:
+    """-inf as vLLM writes it (JSON has no infinity)."""
+    return max(logprob, -9999.0)
+
+
 def usage_dict(usage: Usage | None, details: bool = True) -> dict | None:
     if usage is None:
         return None
@@ -36,7 +41,7 @@ def _finish(reason: str | None) -> str | None:
 
 
 def _token_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8", "replace"))}
+    return {"token": token, "logprob": _floor(logprob), "bytes": list(token.encode("utf-8", "replace"))}
 
 
 def chat_logprobs(lps: list[TokenLogprob] | None, top_k: int) -> dict | None:
@@ -56,9 +61,9 @@ def completion_logprobs(lps: list[TokenLogprob] | None, text_offset: int = 0) ->
         offsets.append(pos)
         pos += len(lp.token)
     return {"text_offset": offsets,
-            "token_logprobs": [None if lp.logprob is None else max(lp.logprob, -9999.0) for lp in lps],
+            "token_logprobs": [None if lp.logprob is None else _floor(lp.logprob) for lp in lps],
             "tokens": [lp.token for lp in lps],
-            "top_logprobs": [None if lp.logprob is None else {t: max(l, -9999.0) for _, t, l in lp.top}
+            "top_logprobs": [None if lp.logprob is None else {t: _floor(l) for _, t, l in lp.top}
                              for lp in lps]}
 
 
@@ -75,7 +80,7 @@ def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list | None:
         ranks = {e.token_id: e.rank}
         ranks.update((t, r) for r, (t, _, _) in enumerate([x for x in e.top if x[0] != e.token_id], start=1)
                      if t not in ranks)
-        out.append({str(t): {"logprob": max(l, -9999.0), "rank": ranks[t], "decoded_token": text}
+        out.append({str(t): {"logprob": _floor(l), "rank": ranks[t], "decoded_token": text}
                     for t, text, l in e.top})
     return out
 
