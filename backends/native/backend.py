@@ -15,13 +15,13 @@ from backends.base import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
-    TokenLogprob,
     UnavailableError,
     refuse_extra_fields,
 )
 from backends.native.async_engine import AsyncEngine
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
+from backends.native.sampler import token_logprob
 from backends.tool_calls import check_tool_request, parse_tool_calls, tool_call_grammar
 
 
@@ -90,7 +90,7 @@ class NativeBackend(Backend):
                 echoed.add(chunk.index)
                 logprobs = chunk.logprobs
                 if logprobs is not None:
-                    first = TokenLogprob(first_token, self.engine.tokenizer.decode([first_token], False), None)
+                    first = token_logprob(self.engine.tokenizer, first_token, None)
                     logprobs = [first, *(chunk.prompt_logprobs or [None])[1:], *logprobs]
                 chunk = dataclasses.replace(chunk, text=prompt_text + chunk.text, logprobs=logprobs)
             yield chunk

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from backends.tool_calls import ToolParserName
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,7 +48,7 @@ class EngineConfig(BaseModel):
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
     # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are
     # rendered by the template but tool_choice auto/required/named is refused, as vLLM does without it.
-    tool_parser: Literal["hermes", "llama3_json"] | None = None
+    tool_parser: ToolParserName | None = None
     chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
 
     def torch_device(self) -> torch.device:

@@ -59,7 +59,10 @@ class DecodeGraphs:
                  time.perf_counter() - started)
 
     def can_run(self, batch: Batch) -> bool:
-        return batch.is_decode_only and len(batch.token_ids) <= self.sizes[-1]
+        """A captured graph computes one decode token per sequence, samples every row and keeps only the
+        logits that sample."""
+        return (batch.is_decode_only and len(batch.token_ids) <= self.sizes[-1] and all(batch.sample)
+                and not any(batch.all_logits))
 
     def run(self, batch: Batch) -> torch.Tensor | None:
         """fp32 logits [n, vocab] of a decode-only batch of ``n`` sequences (None on tensor-parallel ranks

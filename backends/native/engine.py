@@ -28,7 +28,7 @@ from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
-from backends.native.sampler import ranked, sample, token_logprobs
+from backends.native.sampler import ranked, sample, token_logprob, token_logprobs
 from backends.native.scheduler import Scheduler, Update
 from backends.native.sequence import Sequence
 from backends.native.structured_output import GrammarCompiler, new_matcher
@@ -221,10 +221,10 @@ class LLMEngine:
         logprobs = torch.log_softmax(logits[first:stop], dim=-1)
         targets = torch.tensor(seq.token_ids[start + first + 1:start + stop + 1], device=logprobs.device)
         chosen = logprobs.gather(1, targets.unsqueeze(1))
-        ranks = (logprobs > chosen).sum(dim=1) + 1
-        for row, token_id, logprob, rank in zip(logprobs, targets.tolist(), chosen.squeeze(1).tolist(),
-                                                ranks.tolist()):
-            collected.append((token_id, logprob, rank, ranked(row, token_id, logprob, seq.params.prompt_logprobs)))
+        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+        token_ids, chosen = targets.tolist(), chosen.squeeze(1).tolist()
+        tops = ranked(logprobs, token_ids, chosen, seq.params.prompt_logprobs)
+        collected.extend(zip(token_ids, chosen, ranks, tops))
 
     def _output(self, update: Update) -> RequestOutput:
         seq, reason = update.seq, update.finish_reason
@@ -240,11 +240,7 @@ class LLMEngine:
     def _prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob | None]:
         """vLLM's prompt_logprobs: None for the first token, then each token's logprob and rank with the top
         alternatives (ranked 1, 2, ...)."""
-        def text(token_id: int) -> str:
-            return self.tokenizer.decode([token_id], False)
-
-        return [None if entry is None else TokenLogprob(entry[0], text(entry[0]), entry[1],
-                                                        [(t, text(t), lp) for t, lp in entry[3]], entry[2])
+        return [None if entry is None else token_logprob(self.tokenizer, entry[0], entry[1], entry[3], entry[2])
                 for entry in seq.prompt_logprobs]
 
     # ---------------------------------------------------------------------------------- figures

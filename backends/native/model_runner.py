@@ -161,7 +161,7 @@ class ModelRunner:
         None on other ranks)."""
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
-        if self.graphs is not None and all(batch.sample) and not any(batch.all_logits) and self.graphs.can_run(batch):
+        if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         meta = self.kernels.attention.build(batch)
         return self.model(self._ids(batch.token_ids), self._ids(batch.positions), self.kv_caches, meta)

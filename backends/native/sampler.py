@@ -29,13 +29,18 @@ class Sampled:
     top: list[tuple[int, float]] | None = None
 
 
-def token_logprobs(tokenizer: Tokenizer, sampled: Sampled) -> list[TokenLogprob]:
-    """``sampled``'s logprobs as a chunk carries them: with each token's text."""
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], False)
+def token_logprob(tokenizer: Tokenizer, token_id: int, logprob: float | None,
+                  top: list[tuple[int, float]] = (), rank: int | None = None) -> TokenLogprob:
+    """A token's logprob and its alternatives as chunks carry them: with each token's text."""
+    def text(t: int) -> str:
+        return tokenizer.decode([t], False)
 
-    return [TokenLogprob(sampled.token_id, text(sampled.token_id), sampled.logprob,
-                         [(t, text(t), lp) for t, lp in sampled.top or []])]
+    return TokenLogprob(token_id, text(token_id), logprob, [(t, text(t), lp) for t, lp in top], rank)
+
+
+def token_logprobs(tokenizer: Tokenizer, sampled: Sampled) -> list[TokenLogprob]:
+    """``sampled``'s logprobs as a chunk carries them."""
+    return [token_logprob(tokenizer, sampled.token_id, sampled.logprob, sampled.top or [])]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[Sampled]:
@@ -63,17 +68,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[
         chosen = raw_logprobs[rows].gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
         for i, logprob in zip(rows, chosen):
             out[i].logprob = logprob
-            out[i].top = ranked(raw_logprobs[i], out[i].token_id, logprob, seqs[i].params.logprobs)
+            (out[i].top,) = ranked(raw_logprobs[i:i + 1], [out[i].token_id], [logprob], seqs[i].params.logprobs)
     return out
 
 
-def ranked(logprobs: torch.Tensor, token_id: int, logprob: float, k: int) -> list[tuple[int, float]]:
-    """vLLM's alternatives of one position: the token itself, then the ``k`` most likely others."""
-    top = [(token_id, logprob)]
+def ranked(logprobs: torch.Tensor, token_ids: list[int], chosen: list[float], k: int) -> list[list[tuple[int, float]]]:
+    """vLLM's alternatives of each row of ``logprobs`` [N, V]: its token itself, then the ``k`` most likely
+    others (one topk and one copy to the host for all rows)."""
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
     if k:
-        values, ids = logprobs.topk(k)
-        top += [(t, lp) for t, lp in zip(ids.tolist(), values.tolist()) if t != token_id]
-    return top
+        values, ids = logprobs.topk(k, dim=-1)
+        tops = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [[(t, lp), *((a, b) for a, b in top if a != t)] for t, lp, top in zip(token_ids, chosen, tops)]
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:

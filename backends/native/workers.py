@@ -23,7 +23,7 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.model_runner import ModelRunner
 from backends.native.parallel import TensorParallel, check_tensor_parallel
-from backends.native.weights import Checkpoint, default_model_path, open_checkpoint
+from backends.native.weights import Checkpoint, open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _worker_main(rank: int, size: int, config_json: str, model_path: str, max_mo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp = TensorParallel.join(rank, size, init_method, device, TIMEOUT_S)
-    checkpoint = open_checkpoint(model_path or default_model_path(), config.hf_overrides)
+    checkpoint = open_checkpoint(model_path, config.hf_overrides)
     runner = ModelRunner(config, checkpoint, max_model_len, tp, device)
     while True:
         message = tp.broadcast()
