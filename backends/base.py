@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -159,6 +160,12 @@ def _finite(x: float) -> bool:
 # The X-Request-Id of the HTTP request being served (set by the gateway for the request's task and the
 # tasks it starts): HTTP backends forward it upstream, so one id follows a request through every server.
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
+
+
+def random_id() -> str:
+    """32 random hex digits, like ``uuid.uuid4().hex`` (vLLM's request ids) at a fifth of its cost: one is made
+    for every request, twice."""
+    return os.urandom(16).hex()
 
 ToolChoice = str | dict[str, Any]  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
 

@@ -20,18 +20,17 @@ import abc
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from backends.base import GenerationChunk, InvalidRequestError, StructuredOutput, ToolCallDelta, ToolChoice
+from backends.base import GenerationChunk, InvalidRequestError, StructuredOutput, ToolCallDelta, ToolChoice, random_id
 
 ToolParserName = Literal["hermes", "llama3_json"]
 
 
 def tool_call_id() -> str:
     """A new call id, in vLLM's form."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
+    return f"chatcmpl-tool-{random_id()[:16]}"
 
 
 def named_function(tool_choice: ToolChoice) -> str | None:

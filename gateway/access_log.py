@@ -1,6 +1,6 @@
 """Request ids and the access log: one line per request, carrying the id that follows it everywhere.
 
-A request's ``X-Request-Id`` is the client's when it sent a usable one, else a new one (uuid4 hex, as
+A request's ``X-Request-Id`` is the client's when it sent a usable one, else a new one (32 random hex digits, as
 vLLM's ``--enable-request-id-headers`` makes them). It is returned on the response, forwarded upstream by
 the HTTP backends (``backends.base.REQUEST_ID``), attached to every log record written while the request
 is served, and written in the access line. ``configure_logging`` writes text or JSON lines (one object per
@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 from typing import Literal
 
 from pythonjsonlogger.json import JsonFormatter
 
-from backends.base import REQUEST_ID
+from backends.base import REQUEST_ID, random_id
 
 HEADER = b"x-request-id"
 _USABLE = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe in a header and a log line
@@ -36,7 +35,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         sent = header(scope, HEADER) or b""
-        request_id = sent.decode() if _USABLE.fullmatch(sent) else uuid.uuid4().hex
+        request_id = sent.decode() if sent and _USABLE.fullmatch(sent) else random_id()
         token = REQUEST_ID.set(request_id)
         start, status = time.perf_counter(), 499  # no answer begun: the client left first
 
@@ -63,6 +62,8 @@ def header(scope, name: bytes) -> bytes | None:
 
 
 def _log_access(scope, status: int, seconds: float) -> None:
+    if not access_log.isEnabledFor(logging.INFO):  # the fields below cost more than the check
+        return
     client = scope.get("client")
     peer = f"{client[0]}:{client[1]}" if client else "-"
     method, path = scope["method"], scope["path"]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError, Usage, UsageTally
+from backends.base import GenerationChunk, GenerationRequest, InvalidRequestError, Usage, UsageTally, random_id
 from gateway import errors
 from gateway import response_models as schemas
 from gateway.access_log import RequestIdMiddleware, header
@@ -23,6 +23,8 @@ from gateway.limits import KeyLimits
 from gateway.openai_format import DONE, ResponseWriter
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.service import ANONYMOUS, Caller, Gateway
+
+T = TypeVar("T")
 
 
 def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
@@ -70,14 +72,14 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     # -------------------------------------------------------------------------------- generation
     @app.post("/v1/chat/completions", tags=["openai"], responses=schemas.generation(schemas.ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
-        gen = body.generation_request(f"chatcmpl-{uuid.uuid4().hex}")
+        gen = body.generation_request(f"chatcmpl-{random_id()}")
         writer = ResponseWriter(gen.request_id, body.model, True, gen.params.n, body.top_logprobs or 0,
                                 body.include_usage, body.continuous_usage)
         return await _serve(request, body, [gen], caller, writer)
 
     @app.post("/v1/completions", tags=["openai"], responses=schemas.generation(schemas.Completion))
     async def completions(body: CompletionRequest, request: Request, caller: Caller = Depends(authenticate)):
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{random_id()}"
         gens = body.generation_requests(request_id)
         writer = ResponseWriter(request_id, body.model, False, len(gens) * gens[0].params.n, 0,
                                 body.include_usage, body.continuous_usage)
@@ -259,26 +261,29 @@ async def _chain(head: list, rest: AsyncIterator) -> AsyncIterator:
         yield item
 
 
-async def _until_disconnect(request: Request, work):
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """``work``'s result; if the client disconnects first, ``work`` is cancelled and ``ClientDisconnected``
-    raised (vLLM's ``with_cancellation``)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    raised (vLLM's ``with_cancellation``). ``work`` runs in this task and a watcher cancels it: one task per
+    request instead of two raced by ``asyncio.wait`` (a tenth of the gateway's per-request instructions)."""
+    this = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        this.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and this.uncancel() == 0:  # cancelled by the watcher alone, not from outside as well
+            raise ClientDisconnected() from None
+        raise
     finally:
         watcher.cancel()
-        if not task.done():  # the client left (or we are cancelled ourselves): stop the work, and wait for it
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class BodyLimitMiddleware:
@@ -291,11 +296,13 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = header(scope, b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return await errors.error_response(errors.body_too_large(self.limit))(scope, receive, send)
+        if length is not None:  # the server reads exactly Content-Length bytes: nothing more to count
+            if not length.isdigit() or int(length) > self.limit:
+                return await errors.error_response(errors.body_too_large(self.limit))(scope, receive, send)
+            return await self.app(scope, receive, send)
         seen = 0
 
-        async def limited_receive():
+        async def limited_receive():  # chunked: count as it streams in
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":

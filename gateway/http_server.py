@@ -48,7 +48,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._deadline: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while a request head is incomplete (an upper bound of its size)
+        self._in_head = True
         self._idle_since: float | None = None  # set while no request is under way
         self._refused = False
 
@@ -66,8 +67,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._refused:
-            super().data_received(data)
+        if self._refused:
+            return
+        if self._in_head:  # counted per read, not per header: the parser's callbacks run for every request
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:  # all of it head: no end seen
+            self._refuse(431, "Request Header Fields Too Large")
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:  # after our own refusal the parser's error is expected
@@ -76,20 +82,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._idle_since, self._head_bytes = None, 0
+        self._idle_since = None
         if self._deadline is None:  # the first request's deadline runs from the connection's opening
             self._arm()
 
-    def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 4)
-        super().on_header(name, value)
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_bytes > self.limits.max_header_bytes:  # the reads held a body too: measure the head itself
+            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            if size > self.limits.max_header_bytes:
+                self._refuse(431, "Request Header Fields Too Large")
+                raise ValueError("request head too large")  # stops the parser (uvicorn's 400 is suppressed)
+        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._in_head, self._head_bytes = True, 0  # what comes next is the next request's head
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -97,12 +105,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     # ------------------------------------------------------------------------------------ limits
-    def _count_head(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > self.limits.max_header_bytes:
-            self._refuse(431, "Request Header Fields Too Large")
-            raise ValueError("request head too large")  # stops the parser (uvicorn's 400 is suppressed)
-
     def _arm(self) -> None:
         self._disarm()
         self._deadline = self.loop.call_later(self.limits.request_timeout_s, self._timed_out)

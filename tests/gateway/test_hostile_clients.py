@@ -91,6 +91,28 @@ def test_huge_headers_are_refused_with_431(url):
     _normal_request_works(url)
 
 
+def test_a_head_that_never_ends_is_refused_with_431_as_soon_as_it_passes_the_cap(url):
+    with contextlib.closing(_connect(url)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
+        started = time.monotonic()
+        for i in range(9):  # 9 x 1 KiB lines past the 8 KiB cap, never the blank line that ends a head
+            sock.sendall(b"x-h%d: " % i + b"a" * 1024 + b"\r\n")
+            time.sleep(0.01)
+        assert _answer(sock).startswith(b"HTTP/1.1 431 ")
+        assert time.monotonic() - started < TIMEOUT_S  # refused for its size, not timed out (408)
+    _normal_request_works(url)
+
+
+def test_a_small_head_arriving_with_a_large_body_in_one_read_is_served(url):
+    """Reads that hold a head and a body are measured by the head alone."""
+    body = b'{"model": "m", "prompt": "' + b"a" * 3000 + b'", "max_tokens": 2}'
+    with contextlib.closing(_connect(url)) as sock:
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        pad = b"x-pad: " + b"a" * 6000 + b"\r\n"  # head ~6 KiB + body ~3 KiB: one read over the 8 KiB cap
+        sock.sendall(head + pad + b"content-length: %d\r\n\r\n" % len(body) + body)
+        assert _answer(sock).startswith(b"HTTP/1.1 200 ")
+
+
 def test_bodies_over_the_limit_are_413_with_or_without_content_length(url):
     big = b'{"model": "m", "prompt": "' + b"a" * 10_000 + b'"}'
 
