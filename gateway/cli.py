@@ -54,6 +54,10 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
+class Quantization(str, Enum):
+    int8 = "int8"
+
+
 class BackendKind(str, Enum):
     native = "native"
     deepspeed = "deepspeed"
@@ -64,7 +68,7 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
     served. ``engine_options`` (``dtype``, ``device``,
-    ``tensor_parallel_size``: None when not given) apply to every in-process deployment, and are refused
+    ``tensor_parallel_size``, ``quantization``: None when not given) apply to every in-process deployment, and are refused
     where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
@@ -140,6 +144,9 @@ def serve(
                                                "present), cpu, cuda or cuda:N.")] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
                                                              "model across N processes (GPUs on CUDA).")] = None,
+    quantization: Annotated[Quantization | None, typer.Option(help="Native engine weights: int8 (weight-only, a "
+                                                              "scale per output channel; CPU) for decode-bound "
+                                                              "serving.")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
@@ -153,7 +160,8 @@ def serve(
     log_level = log_level.value
     configure_logging(log_level, log_format)
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
-                      "tensor_parallel_size": tensor_parallel_size}
+                      "tensor_parallel_size": tensor_parallel_size,
+                      "quantization": quantization.value if quantization else None}
     try:
         settings = build_settings(config, model, served_model_name, backend, **engine_options)
     except ValueError as exc:  # an invalid config file or environment override

@@ -31,6 +31,8 @@ class EngineConfig(BaseModel):
     seed: int = 0  # of dummy weights
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: see ``torch_dtype``
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: CUDA when present
+    # int8: weight-only int8, a scale per output channel (linear.py), for decode-bound CPU serving; CPU only
+    quantization: Literal["int8"] | None = None
     block_size: int = Field(16, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # share of the GPU this engine may use (vLLM's name)

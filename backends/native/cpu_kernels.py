@@ -7,7 +7,7 @@ Where nothing can be built (no compiler, as in the container image, or a cache t
 highest level this CPU runs (``python -m backends.native.cpu_kernels --build DIR`` makes them).
 torch's own libgomp is already in the process, so the kernels share torch's OpenMP threads. With
 neither, ``load()`` returns None and the engine keeps its pure-torch paths. Which one runs is logged
-once. The Python faces of the kernels are cpu_attention.py and layer_ops.py.
+once. The Python faces of the kernels are attention/, layer_ops.py and linear.py.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
     "add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],
     "silu_and_mul": [ptr, ptr, i64, i64, i32],
     "rotary_store_kv": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
+    "int8_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
 }
 
 

@@ -253,6 +253,7 @@ class LLMEngine:
                 "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
                     self.model_config, self.blocks.block_size, runner.dtype, self.config.tensor_parallel_size),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
+                "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "cuda_graphs": runner.graphs is not None}
 
     def stats(self) -> EngineStats:

@@ -1,17 +1,32 @@
-"""Linear layers that can repack their weight once into oneDNN's blocked layout for CPU matmuls.
+"""Linear layers: oneDNN-packed float weights, or weight-only int8 with one scale per output channel.
 
 ``F.linear`` on CPU hands the weight to MKL, which packs it again on every call. Packing once with
 oneDNN, as vLLM's CPU backend does (``onednn_mm`` on prepacked weights), made SmolLM2's matmuls
 1.3-2x faster here: fp32 decode at batch 64 went from 120 to 180 GFLOP/s, the LM head at batch 1
 from 11 to 5.5 ms. The packed copy replaces the weight, so memory does not double, except for a
 weight tied to the embedding table, which the embedding lookup still reads.
+
+Decoding a few sequences reads every weight once per step, so its speed is the memory's: int8 weights
+(``quantization: int8``) read a quarter of fp32's bytes. Activations stay in the model's dtype. Up to
+``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
+gpt-fast's int8 mode uses, has no AVX2 path: 3x slower than fp32 at one row here); more rows (a prefill) are
+compute-bound, and multiply a dequantised copy of the weight made for the call. A GGUF Q8_0 tensor becomes
+these rows without a float copy of the matrix (weights.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from backends.native import cpu_kernels
+
+# Above this many rows the int8 kernel, which widens each weight once per four rows, loses to dequantising
+# the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
+INT8_KERNEL_ROWS = 32
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -23,8 +38,29 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+@dataclass
+class Int8Rows:
+    """A matrix as int8 ``values`` [rows, cols] and one fp32 ``scales`` entry per row: row i is
+    ``values[i] * scales[i]`` (symmetric, absmax / 127)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Rows:
+        """Rows of a float matrix (or vector: one row per entry), rounded to the nearest of 255 levels."""
+        w = weight.detach().float().reshape(weight.shape[0], -1)
+        scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        values = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(values.reshape(weight.shape), scales)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix these rows stand for."""
+        return self.values.float() * self.scales.reshape(-1, *[1] * (self.values.dim() - 1))
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` plus ``pack()``; after it, ``forward`` runs oneDNN on the packed weight."""
+    """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
 
     packed: torch.Tensor | None = None
 
@@ -34,7 +70,35 @@ class Linear(nn.Linear):
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
+    def to_int8(self) -> None:
+        """Hold the weight as int8 with a scale per output channel (``scales``, in the weight's float dtype);
+        ``load_weights`` fills both. Before loading: the float weight is only replaced, not converted."""
+        out_features = self.weight.shape[0]
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.int8, device=self.weight.device),
+                                   requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(out_features, dtype=torch.float32, device=self.weight.device),
+                                   requires_grad=False)
+
+    @property
+    def is_int8(self) -> bool:
+        return self.weight.dtype == torch.int8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_int8:
+            y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight * scales[:, None]).T`` for x [rows, k] (fp32 or bf16), int8 ``weight`` [n, k]."""
+    lib = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in cpu_kernels.DTYPE_FLAGS else None
+    if lib is None or x.shape[0] > INT8_KERNEL_ROWS:
+        return F.linear(x, weight.to(x.dtype)) * scales
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    lib.int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0],
+                    weight.shape[1], cpu_kernels.DTYPE_FLAGS[x.dtype])
+    return out

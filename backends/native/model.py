@@ -20,9 +20,10 @@ from torch import nn
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.linear import Linear, can_pack
+from backends.native.linear import Int8Rows, Linear, can_pack
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
+from backends.native.weights import Q8_0Tensor
 
 
 class RMSNorm(nn.Module):
@@ -158,35 +159,47 @@ class LlamaModel(nn.Module):
         if not can_pack(weight.dtype, weight.device):
             return False
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and not module.is_int8:
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
         return True
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into this module: this rank's slice of each, q/k/v and gate/up fused.
-        Every parameter must be set."""
+    def to_int8(self) -> None:
+        """Weight-only int8 for every linear layer, before ``load_weights`` fills them; a LM head tied to the
+        embedding table gets its own int8 copy of it (the lookup still reads the float table)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.to_int8()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | Q8_0Tensor]]) -> None:
+        """Copy HF-named tensors into this module: this rank's slice of each, q/k/v and gate/up fused, int8
+        layers quantised per output channel (Q8_0 tensors straight from their blocks). Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        unset = {name for name in params if not (name == "lm_head.weight" and self.config.tie_word_embeddings)}
+        tied_head = self.config.tie_word_embeddings
+        unset = {name for name in params if not (tied_head and name.startswith("lm_head."))}
         for hf_name, tensor in tensors:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue
             name, rows, dim, part = self._target(hf_name)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied_head:
                 continue  # some checkpoints store the tied copy too
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in the model")
-            dest = params[name] if rows is None else params[name][rows]
-            if part is not None:  # the last vocabulary shard may run past the table: its rest is padding
-                tensor = tensor.narrow(dim, part.start, max(min(part.stop, tensor.shape[dim]) - part.start, 0))
-            padded = part is not None and part.stop > part.start + tensor.shape[dim]
-            if dest.shape != tensor.shape and not (padded and dest.shape[1:] == tensor.shape[1:]):
-                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-            with torch.no_grad():
-                dest[:tensor.shape[0]].copy_(tensor)
-                dest[tensor.shape[0]:].zero_()
+            if params[name].dtype == torch.int8:
+                q = tensor.int8_rows() if isinstance(tensor, Q8_0Tensor) else Int8Rows.quantize(tensor)
+                scales = name.removesuffix("weight") + "scales"  # a whole row's scale serves any slice of it
+                _copy(params[name], rows, q.values, dim, part, hf_name)
+                _copy(params[scales], rows, q.scales, 0, part if dim == 0 else None, hf_name)
+                unset.discard(scales)
+            else:
+                _copy(params[name], rows, tensor.float() if isinstance(tensor, Q8_0Tensor) else tensor, dim, part,
+                      hf_name)
             unset.discard(name)
         if unset:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unset)[:5]}")
+        if tied_head and self.lm_head.is_int8:
+            q = Int8Rows.quantize(self.embed_tokens.weight)
+            _copy(self.lm_head.weight, None, q.values, 0, None, "lm_head.weight")
+            _copy(self.lm_head.scales, None, q.scales, 0, None, "lm_head.scales")
 
     def _target(self, hf_name: str) -> tuple[str, slice | None, int, slice | None]:
         """Map an HF name to (our parameter, the rows it fills in a fused parameter or None for all, and
@@ -212,6 +225,20 @@ class LlamaModel(nn.Module):
         if name in ("embed_tokens.weight", "lm_head.weight") and tp.size > 1:
             return name, None, 0, self.embed_tokens.rows
         return name, None, 0, None
+
+
+def _copy(param: torch.Tensor, rows: slice | None, tensor: torch.Tensor, dim: int, part: slice | None,
+          hf_name: str) -> None:
+    """``tensor``'s slice ``part`` along ``dim`` (all of it for None) into ``rows`` of ``param`` (all for None)."""
+    dest = param if rows is None else param[rows]
+    if part is not None:  # the last vocabulary shard may run past the table: its rest is padding
+        tensor = tensor.narrow(dim, part.start, max(min(part.stop, tensor.shape[dim]) - part.start, 0))
+    padded = part is not None and part.stop > part.start + tensor.shape[dim]
+    if dest.shape != tensor.shape and not (padded and dest.shape[1:] == tensor.shape[1:]):
+        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest[:tensor.shape[0]].copy_(tensor)
+        dest[tensor.shape[0]:].zero_()
 
 
 def dummy_tensors(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device

