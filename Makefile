@@ -63,13 +63,17 @@ lint: install-dev
 	.peers/guidellm/bin/pip install -q torch==2.13.0
 	.peers/guidellm/bin/pip install -q guidellm==0.8.1
 
-# llama.cpp's server compiles for 16-20 min here; its default native build crashes in AMX code on this
-# CPU, so the instruction sets are named explicitly.
-LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON \
-	-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF
+# llama.cpp's server compiles for 16-20 min here. Its native build (GGML_NATIVE) crashed in AMX code on one
+# machine of this kind, and a build naming AVX512 dies of SIGILL on another without it: the instruction sets
+# are named from this CPU's flags.
+has_flag = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA=$(call has_flag,fma) \
+	-DGGML_F16C=$(call has_flag,f16c) -DGGML_AVX512=$(call has_flag,avx512f) \
+	-DGGML_AVX512_BF16=$(call has_flag,avx512_bf16) -DGGML_AVX512_VNNI=$(call has_flag,avx512_vnni) \
+	-DLLAVA_BUILD=OFF
 .peers/llamacpp/.installed:
-	python3 -m venv .peers/llamacpp
-	CMAKE_ARGS="$(LLAMACPP_CMAKE)" .peers/llamacpp/bin/pip install -q 'llama-cpp-python[server]'
+	rm -rf .peers/llamacpp && python3 -m venv .peers/llamacpp
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" .peers/llamacpp/bin/pip install -q --no-cache-dir 'llama-cpp-python[server]'  # no cached wheel of other flags
 	touch $@
 
 peers: .peers/vllm/bin/python
