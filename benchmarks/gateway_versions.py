@@ -53,6 +53,13 @@ def instructions_per_request(checkout: Path, cfg: Path, requests: int, concurren
     return max(totals) / (requests + min(20, requests))
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit, marked when its tree has uncommitted changes."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *cmd], capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if git("status", "--porcelain") else "")
+
+
 def _checkout(text: str) -> tuple[str, Path]:
     name, _, path = text.partition("=")
     if not name or not Path(path).is_dir():
@@ -108,7 +115,9 @@ def main() -> None:
                                                f"({m['instructions_per_request'] / first['instructions_per_request']:.3f}x)"
                                                if instructions else ""))
     if args.save:
-        args.save.write_text(json.dumps({**run_record(), "rows": rows, "medians": medians}, indent=2) + "\n")
+        commits = {name: _commit(path) for name, path in checkouts.items()}
+        args.save.write_text(json.dumps({**run_record(), "checkouts": commits, "rows": rows, "medians": medians},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":
