@@ -84,12 +84,12 @@ class Linear(nn.Linear):
         return self.weight.dtype == torch.int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:  # the default CPU path first: no parameter lookups before it
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.is_int8:
             y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
