@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, run_record, start_vllm, wait_ready  # noqa: E402
+from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, loadtest, run_record, start_vllm, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BURSTGATE = [sys.executable, "-m", "gateway.cli"]  # this checkout's code (run from the repository root)
@@ -58,12 +58,8 @@ def vllm_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int,
 
 def burstgate_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int, out: Path) -> dict:
     """One `burstgate loadtest run`; its result file in vLLM's schema."""
-    cmd = [*BURSTGATE, "loadtest", "run", "--target", f"{url}#{MODEL}", "--endpoint", endpoint,
-           "--requests", str(n), "--input-len", str(input_len), "--output-len", str(output_len), "--warmup", "0",
-           "--out", str(out), "--db", str(out / "store.sqlite"), "--no-plots"]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    (result,) = out.glob("*/vllm/*.json")
-    return json.loads(result.read_text())
+    return loadtest(f"{url}#{MODEL}", out, "--endpoint", endpoint, "--requests", str(n), "--input-len", str(input_len),
+                    "--output-len", str(output_len), "--warmup", "0")
 
 
 def template_overhead(url: str) -> int:

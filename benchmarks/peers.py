@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import socket
@@ -109,6 +110,16 @@ def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = No
 def burstgate(*args: str) -> list[str]:
     """The command line of this environment's ``burstgate`` with ``args``."""
     return [str(Path(sys.executable).parent / "burstgate"), *args]
+
+
+def loadtest(target: str, out: Path, *options: str) -> dict:
+    """One ``burstgate loadtest run`` of ``target`` (``URL#MODEL``) with ``options``, no plots, its files in
+    ``out``: its result in vLLM's schema."""
+    cmd = burstgate("loadtest", "run", "--target", target, *options, "--out", str(out), "--db", str(out / "store.sqlite"),
+                    "--no-plots")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (result,) = out.glob("*/vllm/*.json")
+    return json.loads(result.read_text())
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Single-stream decode through each engine's HTTP server, against this machine's memory roofline.
 
-Targets: burstgate serve on the embedded SmolLM2 (its default dtype, and with ``--quantization int8``),
+Targets: burstgate serve on the embedded SmolLM2 (its default dtype, and with ``quantization: int8``; with
+``--one-thread`` both again with ``num_threads: 1``, leaving a core to the server's event loop),
 optionally llama.cpp's server on the same GGUF file (``--llamacpp``: its own Q4_1 weights as stored) and
 vLLM's CPU build (``--vllm``, fp32). One client drives them all: burstgate's load tester, one request at
 a time (``--concurrency 1``), the same prompts for every target within a round, fresh prompts each round
@@ -12,7 +13,7 @@ context of a request: input + output / 2); this machine's copy bandwidth (read +
 of a 1 GiB tensor copy, measured in the same run) bounds how fast those bytes can come, so
 ``roofline_fraction`` = bytes per token x decode tok/s / copy bandwidth.
 
-    python benchmarks/single_stream.py --llamacpp --save benchmarks/results/single_stream.json
+    python benchmarks/single_stream.py --llamacpp --vllm --one-thread --save benchmarks/results/single_stream.json
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +31,7 @@ import httpx
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import burstgate, free_port, run_record, serving, start_llamacpp, start_vllm  # noqa: E402
+from peers import burstgate, free_port, loadtest, run_record, serving, start_llamacpp, start_vllm  # noqa: E402
 
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 
@@ -66,16 +66,6 @@ def llamacpp_bytes_per_token(context: float) -> float:
     return default_model_path().stat().st_size + 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * context
 
 
-def loadtest(url: str, args, seed: int, out: Path) -> dict:
-    """One single-stream run of burstgate's load tester against ``url``; its result in vLLM's schema."""
-    cmd = [*burstgate("loadtest", "run"), "--target", f"{url}#{MODEL}", "--requests", str(args.requests),
-           "--concurrency", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--warmup", "1", "--seed", str(seed), "--out", str(out), "--db", str(out / "store.sqlite"), "--no-plots"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    (result,) = out.glob("*/vllm/*.json")
-    return json.loads(result.read_text())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=6)
@@ -84,6 +74,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's server (make peers-llamacpp)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM's CPU build, fp32 (make peers)")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="also both native servers with num_threads: 1 (a core left to the event loop)")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     context = args.input_len + args.output_len / 2
@@ -92,10 +84,14 @@ def main() -> None:
     rows = []
     with contextlib.ExitStack() as stack:
         targets = {}  # name -> (url, bytes per token)
-        for name, options in (("native", ()), ("native-int8", ("--quantization", "int8"))):
-            port = free_port()
-            url = stack.enter_context(serving(burstgate("serve", "--port", str(port), "--served-model-name", MODEL,
-                                                        "--log-level", "warning", *options), port))
+        natives = {"native": {}, "native-int8": {"quantization": "int8"}}
+        if args.one_thread:
+            natives |= {f"{name}-1-thread": {**fields, "num_threads": 1} for name, fields in natives.items()}
+        for name, fields in natives.items():
+            port, config = free_port(), Path(tempfile.mkdtemp()) / "config.json"  # JSON is YAML
+            config.write_text(json.dumps({"models": [{"name": MODEL, "deployments": [{"kind": "native", **fields}]}]}))
+            url = stack.enter_context(serving(burstgate("serve", "--port", str(port), "--config", str(config),
+                                                        "--log-level", "warning"), port))
             targets[name] = url, native_bytes_per_token(url, context)
         if args.llamacpp:
             port = free_port()
@@ -108,7 +104,9 @@ def main() -> None:
         for r in range(args.rounds):
             for name in (list(targets) if r % 2 == 0 else list(targets)[::-1]):
                 url, per_token = targets[name]
-                result = loadtest(url, args, seed=1000 + r, out=Path(tempfile.mkdtemp()))
+                result = loadtest(f"{url}#{MODEL}", Path(tempfile.mkdtemp()), "--requests", str(args.requests),
+                                  "--concurrency", "1", "--input-len", str(args.input_len), "--output-len",
+                                  str(args.output_len), "--warmup", "1", "--seed", str(1000 + r))
                 tok_s = 1000 / result["median_tpot_ms"]
                 rows.append({"target": name, "round": r, "decode_tok_s": tok_s, "median_tpot_ms": result["median_tpot_ms"],
                              "median_ttft_ms": result["median_ttft_ms"], "completed": result["completed"],
