@@ -9,9 +9,9 @@ weight tied to the embedding table, which the embedding lookup still reads.
 Decoding a few sequences reads every weight once per step, so its speed is the memory's: int8 weights
 (``quantization: int8``) read a quarter of fp32's bytes. Activations stay in the model's dtype. Up to
 ``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
-gpt-fast's int8 mode uses, has no AVX2 path: 3x slower than fp32 at one row here); more rows (a prefill) are
-compute-bound, and multiply a dequantised copy of the weight made for the call. A GGUF Q8_0 tensor becomes
-these rows without a float copy of the matrix (weights.py).
+gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row here, benchmarks/int8_matmul.py);
+more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call. A
+GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.py).
 """
 
 from __future__ import annotations
@@ -48,15 +48,14 @@ class Int8Rows:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Rows:
-        """Rows of a float matrix (or vector: one row per entry), rounded to the nearest of 255 levels."""
-        w = weight.detach().float().reshape(weight.shape[0], -1)
+        """The rows of a float matrix, each rounded to the nearest of 255 levels of its own scale."""
+        w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        values = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(values.reshape(weight.shape), scales)
+        return cls(torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix these rows stand for."""
-        return self.values.float() * self.scales.reshape(-1, *[1] * (self.values.dim() - 1))
+        return self.values.float() * self.scales[:, None]
 
 
 class Linear(nn.Linear):
