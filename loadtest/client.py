@@ -48,14 +48,16 @@ class RequestOptions:
     endpoint: str = "completions"  # or "chat"
     temperature: float | None = None  # None: the server's default (vLLM's bench sends none either)
     ignore_eos: bool = False  # vLLM extension: generate exactly max_tokens
-    timeout_s: float = 600.0  # whole request
-    stall_timeout_s: float = 120.0  # longest silence between bytes
+    timeout_s: float = 600.0  # whole request, queueing included (vLLM's bench has only this one)
+    # longest silence between two lines once the stream has begun; before its first line a request may be
+    # queued behind a burst for minutes, and only timeout_s bounds that wait
+    stall_timeout_s: float = 120.0
     extra_body: dict = field(default_factory=dict)
 
 
 def new_client(options: RequestOptions) -> aiohttp.ClientSession:
     """One session per event loop: unlimited connections, kept alive between requests."""
-    timeout = aiohttp.ClientTimeout(total=options.timeout_s, sock_connect=30.0, sock_read=options.stall_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=options.timeout_s, sock_connect=30.0)
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 
 
@@ -88,13 +90,16 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
     path = "/v1/chat/completions" if chat else "/v1/completions"
     text: list[str] = []
     finished = False
+    stall = asyncio.timeout(None)  # armed by the stream's first line, re-armed by each one after it
+    loop = asyncio.get_running_loop()
     try:
-        async with client.post(target.url + path, json=body, headers=headers) as r:
+        async with client.post(target.url + path, json=body, headers=headers) as r, stall:
             record.status = r.status
             if r.status != 200:
                 body_text = (await r.read()).decode("utf-8", "replace")
                 return _fail(record, f"http_{r.status}", body_text[:500])
             async for line in r.content:  # one SSE line at a time
+                stall.reschedule(loop.time() + options.stall_timeout_s)
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
