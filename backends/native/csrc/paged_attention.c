@@ -6,7 +6,8 @@
  * K/V read serves the whole group) and folded into a running max, sum and accumulator per head (online
  * softmax).
  * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of queries);
- * each key block is transposed once per task so that a tile's scores build up as vector FMAs.
+ * keys come 16 at a time, transposed once per task so that a tile's scores build up as vector FMAs, and
+ * the weighted values accumulate in registers, four query rows by 16 columns at a time.
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
  * Arithmetic is fp32; bf16 storage is widened block by block. Built and loaded by cpu_kernels.py;
@@ -129,99 +130,112 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 
 /* ------------------------------------------------------------------------------- prefill (causal) */
 #define TILE_ROWS 64 /* query rows (query tokens x query heads of one KV group) one task scores together */
+#define KEYS 16      /* keys scored at once per query row */
 
-typedef float v16f __attribute__((vector_size(64))); /* 16 lanes: one key block row (any ISA; GCC splits) */
+/* The widest vector this build's ISA holds in one register: a wider GCC vector type is emulated through
+ * the stack (a 16-lane type on AVX2 ran the score loop 7x slower than two 8-lane ones). */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#define VECS (KEYS / LANES) /* vectors per KEYS floats */
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
-static inline v16f load16(const float *p) {
-    v16f v;
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* Scores of `rows` query rows against one 16-key block (transposed keys kt[i * 16 + t]): four rows at a
- * time, so four independent FMA chains hide each other's latency and share every key load. */
-static inline __attribute__((always_inline)) void scores16(const float *kt, const int64_t d, int64_t rows,
-                                                          float q[][MAX_HEAD_DIM], float s[][MAX_BLOCK_SIZE]) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* s[r] = q[r] . keys for `rows` rows (a multiple of 4), the keys transposed (kt[i * KEYS + t]): four rows
+ * at a time, so four FMA chains per vector hide each other's latency and share every key load. */
+static inline __attribute__((always_inline)) void score_rows(const float *kt, const int64_t d, int64_t rows,
+                                                            float q[][MAX_HEAD_DIM], float s[][KEYS]) {
+    for (int64_t r = 0; r < rows; r += 4) {
+        vf a[4][VECS] = {{0}};
         for (int64_t i = 0; i < d; i++) {
-            const v16f k = load16(kt + i * 16);
-            a0 += q[r][i] * k;
-            a1 += q[r + 1][i] * k;
-            a2 += q[r + 2][i] * k;
-            a3 += q[r + 3][i] * k;
+            for (int v = 0; v < VECS; v++) {
+                const vf k = loadv(kt + i * KEYS + v * LANES);
+                for (int j = 0; j < 4; j++) a[j][v] += q[r + j][i] * k;
+            }
         }
-        memcpy(s[r], &a0, sizeof a0);
-        memcpy(s[r + 1], &a1, sizeof a1);
-        memcpy(s[r + 2], &a2, sizeof a2);
-        memcpy(s[r + 3], &a3, sizeof a3);
-    }
-    for (; r < rows; r++) {
-        v16f a = {0};
-        for (int64_t i = 0; i < d; i++) a += q[r][i] * load16(kt + i * 16);
-        memcpy(s[r], &a, sizeof a);
+        for (int j = 0; j < 4; j++) {
+            for (int v = 0; v < VECS; v++) storev(s[r + j] + v * LANES, a[j][v]);
+        }
     }
 }
 
-/* Fold one block of keys into the running softmax state of `rows` query rows. kt holds the block's keys
- * transposed (kt[i * bs + t]), so a row's scores against all bs keys build up as bs-wide vector FMAs
- * over the head dimension: no horizontal sums. Key t sits at position key0 + t; row r sees keys up to
- * pos[r] (causal). Every row sees key 0, and block 0 comes first, so every running max starts real. */
-static inline __attribute__((always_inline)) void prefill_block(
-        const float *kt, const float *v, const int64_t bs, int64_t n, const int64_t d, int64_t rows,
-        const int64_t *pos, int64_t key0, float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
-    float s[TILE_ROWS][MAX_BLOCK_SIZE];
-    if (bs == 16) {
-        scores16(kt, d, rows, q, s);
-    } else {
-        for (int64_t r = 0; r < rows; r++) {
-            #pragma omp simd
-            for (int64_t t = 0; t < bs; t++) s[r][t] = 0.0f;
+/* acc[r] = acc[r] * alpha[r] + sum over t < n of p[r][t] * v[t], for `rows` rows (a multiple of 4): four
+ * rows by KEYS columns of acc stay in registers while the n value rows stream past. */
+static inline __attribute__((always_inline)) void accumulate_rows(const float *v, int64_t n, const int64_t d,
+                                                                 int64_t rows, float p[][KEYS], const float *alpha,
+                                                                 float acc[][MAX_HEAD_DIM]) {
+    for (int64_t r = 0; r < rows; r += 4) {
+        int64_t c = 0;
+        for (; c + KEYS <= d; c += KEYS) {
+            vf a[4][VECS];
+            for (int j = 0; j < 4; j++) {
+                for (int u = 0; u < VECS; u++) a[j][u] = loadv(acc[r + j] + c + u * LANES) * alpha[r + j];
+            }
+            for (int64_t t = 0; t < n; t++) {
+                for (int u = 0; u < VECS; u++) {
+                    const vf x = loadv(v + t * d + c + u * LANES);
+                    for (int j = 0; j < 4; j++) a[j][u] += p[r + j][t] * x;
+                }
+            }
+            for (int j = 0; j < 4; j++) {
+                for (int u = 0; u < VECS; u++) storev(acc[r + j] + c + u * LANES, a[j][u]);
+            }
         }
-        for (int64_t i = 0; i < d; i++) {
-            const float *ki = kt + i * bs;
-            for (int64_t r = 0; r < rows; r++) {
-                const float qi = q[r][i];
-                #pragma omp simd
-                for (int64_t t = 0; t < bs; t++) s[r][t] += qi * ki[t];
+        for (int64_t j = r; j < r + 4; j++) { /* head sizes that are not a multiple of KEYS */
+            for (int64_t i = c; i < d; i++) {
+                float x = acc[j][i] * alpha[j];
+                for (int64_t t = 0; t < n; t++) x += p[j][t] * v[t * d + i];
+                acc[j][i] = x;
             }
         }
     }
+}
+
+/* Fold n <= KEYS keys, at positions key0.., into the running softmax state (acc, m, l) of `rows` query
+ * rows: scores, then per row the new maximum, the rescale of what was summed under the old one and the
+ * probabilities (zero for keys past the row's position: causal), then the weighted values. */
+static inline __attribute__((always_inline)) void attend_keys(
+        const float *kt, const float *v, int64_t n, const int64_t d, int64_t rows, const int64_t *pos,
+        int64_t key0, float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
+    float s[TILE_ROWS][KEYS], alpha[TILE_ROWS];
+    score_rows(kt, d, rows, q, s);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t visible = pos[r] - key0 + 1 < n ? pos[r] - key0 + 1 : n;
-        if (visible <= 0) continue;
         float top = -FLT_MAX;
-        for (int64_t t = 0; t < visible; t++) top = s[r][t] > top ? s[r][t] : top;
-        const int first = key0 == 0;
-        const float m_new = first || top > m[r] ? top : m[r];
-        const float alpha = first ? 0.0f : expf(m[r] - m_new);
+        #pragma omp simd reduction(max:top)
+        for (int64_t t = 0; t < KEYS; t++) top = fmaxf(top, t < visible ? s[r][t] : -FLT_MAX);
+        const float m_new = fmaxf(m[r], top);
+        alpha[r] = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - m_new); /* nothing summed yet: nothing to rescale */
         float sum = 0.0f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < visible; t++) {
-            s[r][t] = expf(s[r][t] - m_new);
+        for (int64_t t = 0; t < KEYS; t++) {
+            s[r][t] = t < visible ? expf(s[r][t] - m_new) : 0.0f;
             sum += s[r][t];
         }
-        float row[MAX_HEAD_DIM];
-        #pragma omp simd
-        for (int64_t i = 0; i < d; i++) row[i] = acc[r][i] * alpha;
-        for (int64_t t = 0; t < visible; t++) {
-            const float p = s[r][t];
-            #pragma omp simd
-            for (int64_t i = 0; i < d; i++) row[i] += p * v[t * d + i];
-        }
-        #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[r][i] = row[i];
-        l[r] = l[r] * alpha + sum;
+        l[r] = l[r] * alpha[r] + sum;
         m[r] = m_new;
     }
+    accumulate_rows(v, n, d, rows, s, alpha, acc);
 }
 
 /* Causal attention for prefill chunks, reading all keys (cached prefix and this chunk's, already written)
  * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
  * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of
- * TILE_ROWS / group queries). Returns 0, or -1 for a layout paged_attention_supported refuses. */
+ * TILE_ROWS / group queries); a tile walks its keys KEYS at a time (each block in KEYS-key slices), each
+ * slice transposed once and scored against all the tile's rows. Returns 0, or -1 for a layout
+ * paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
                             int64_t table_stride, const int64_t *query_starts, const int64_t *query_lens,
@@ -239,36 +253,40 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
         while (t0 >= (query_lens[s] + tile - 1) / tile) t0 -= (query_lens[s++] + tile - 1) / tile;
         const int64_t first_q = t0 * tile, nq = query_lens[s] - first_q < tile ? query_lens[s] - first_q : tile;
         const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
+        const int64_t padded = (rows + 3) & ~(int64_t)3; /* rows past `rows`: zero queries, results dropped */
         float qf[TILE_ROWS][MAX_HEAD_DIM], acc[TILE_ROWS][MAX_HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];
-        float kt[MAX_HEAD_DIM * MAX_BLOCK_SIZE], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
+        float kt[MAX_HEAD_DIM * KEYS], vbuf[KEYS * MAX_HEAD_DIM];
         int64_t pos[TILE_ROWS];
-        for (int64_t r = 0; r < rows; r++) { /* row r: query first_q + r / group, head h * group + r % group */
+        for (int64_t r = 0; r < padded; r++) { /* row r: query first_q + r / group, head h * group + r % group */
             const int64_t at = (query_starts[s] + first_q + r / group) * q_stride + (h * group + r % group) * d;
             for (int64_t i = 0; i < d; i++) {
-                qf[r][i] = load(q, at + i, is_bf16) * scale;
+                qf[r][i] = r < rows ? load(q, at + i, is_bf16) * scale : 0.0f;
                 acc[r][i] = 0.0f;
             }
-            pos[r] = prefix + first_q + r / group;
+            pos[r] = prefix + first_q + (r < rows ? r : rows - 1) / group;
+            m[r] = -FLT_MAX;
             l[r] = 0.0f;
         }
         const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
-        for (int64_t key0 = 0; key0 < keys; key0 += block_size) {
+        for (int64_t key0 = 0, n; key0 < keys; key0 += n) { /* n: up to KEYS keys, within one block */
             const int64_t block = block_tables[s * table_stride + key0 / block_size];
-            const int64_t n = keys - key0 < block_size ? keys - key0 : block_size;
-            const int64_t base = (h * num_blocks + block) * block_size * d;
-            for (int64_t t = 0; t < block_size; t++) { /* transpose keys (zeros past n), widen values */
-                for (int64_t i = 0; i < d; i++) {
-                    kt[i * block_size + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
-                }
+            const int64_t in_block = block_size - key0 % block_size, left = keys - key0;
+            n = left < in_block ? left : in_block;
+            n = n < KEYS ? n : KEYS;
+            const int64_t base = ((h * num_blocks + block) * block_size + key0 % block_size) * d;
+            for (int64_t t = 0; t < KEYS; t++) { /* transpose keys (zeros past n), widen values */
+                for (int64_t i = 0; i < d; i++) kt[i * KEYS + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
             }
             const float *v = (const float *)v_cache + base;
             if (is_bf16) {
                 widen((const uint16_t *)v_cache + base, vbuf, n * d);
                 v = vbuf;
             }
-            if (block_size == 16 && d == 64) prefill_block(kt, v, 16, n, 64, rows, pos, key0, qf, acc, m, l);
-            else if (block_size == 16 && d == 128) prefill_block(kt, v, 16, n, 128, rows, pos, key0, qf, acc, m, l);
-            else prefill_block(kt, v, block_size, n, d, rows, pos, key0, qf, acc, m, l);
+            switch (d) { /* constant head sizes: unrolled, vectorised row loops */
+            case 64: attend_keys(kt, v, n, 64, padded, pos, key0, qf, acc, m, l); break;
+            case 128: attend_keys(kt, v, n, 128, padded, pos, key0, qf, acc, m, l); break;
+            default: attend_keys(kt, v, n, d, padded, pos, key0, qf, acc, m, l);
+            }
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;

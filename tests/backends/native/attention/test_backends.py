@@ -43,18 +43,19 @@ BACKENDS = {
 }
 
 
-def make_step(hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device):
+def make_step(hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, block_size: int = BLOCK_SIZE):
     """A batch over random caches whose blocks are scattered; this step's keys/values already stored."""
     torch.manual_seed(0)
-    k_cache = torch.randn(hkv, NUM_BLOCKS + 1, BLOCK_SIZE, d).to(dtype)
-    v_cache = torch.randn(hkv, NUM_BLOCKS + 1, BLOCK_SIZE, d).to(dtype)
-    free = torch.randperm(NUM_BLOCKS).tolist()
+    num_blocks = NUM_BLOCKS * BLOCK_SIZE // block_size
+    k_cache = torch.randn(hkv, num_blocks + 1, block_size, d).to(dtype)
+    v_cache = torch.randn(hkv, num_blocks + 1, block_size, d).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
     tables, slots, positions = [], [], []
     for cached, new in STEP:
-        need = -(-(cached + new) // BLOCK_SIZE)
+        need = -(-(cached + new) // block_size)
         tables.append([free.pop() for _ in range(need)])
         for p in range(cached, cached + new):
-            slots.append(tables[-1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            slots.append(tables[-1][p // block_size] * block_size + p % block_size)
             positions.append(p)
     batch = Batch([0] * len(slots), positions, slots, [n for _, n in STEP], [c + n for c, n in STEP], tables,
                   [True] * len(STEP))
@@ -93,6 +94,17 @@ def test_a_mixed_step_matches_causal_softmax_attention(make_backend, hq, hkv, d)
     torch.testing.assert_close(got.cpu().double(), expected, atol=2e-5, rtol=2e-5)
     last_rows = torch.tensor([n for _, n in STEP]).cumsum(0) - 1  # each sequence samples from its last token
     assert meta.logits_indices.tolist() == last_rows.tolist()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 24, 64])
+def test_the_c_kernels_take_any_block_size_and_head_size(block_size):
+    # Their prefill walks keys 16 at a time and their value rows 16 columns at a time: blocks smaller than,
+    # not a multiple of, or larger than 16 keys, and a head size that is not a multiple of 16 (40)
+    (q, k, v, k_cache, v_cache), batch = make_step(10, 2, 40, torch.float32, torch.device("cpu"), block_size)
+    backend = CpuAttention(block_size, k_cache.shape[1], torch.device("cpu"))
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 40 ** -0.5)
+    expected = reference(q, k_cache, v_cache, batch, 40 ** -0.5)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("make_backend", [CpuAttention, pytest.param(triton_backend, marks=pytest.mark.skipif(
