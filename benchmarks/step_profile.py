@@ -1,0 +1,173 @@
+"""Where one engine step's time goes, prefill and decode separately, against this machine's matmul peak.
+
+Two steps of the native engine on the embedded SmolLM2 (its model runner, the kernels it picks here):
+  prefill: ``--prompts`` fresh prompts of ``--prompt-len`` tokens in one step (default 4 x 512 = the
+           default token budget of 2048);
+  decode:  ``--batch`` sequences at context ``--context``, one new token each.
+Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
+model's own modules and kernels: the four linear projections over all layers, attention, the layer ops
+(RMSNorm + residual, rotary + KV store, SiLU-and-mul), the LM head on the sampled rows; "rest" is the
+step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
+its own noise, so a small negative rest means "nothing measurable"). Model FLOP/s counts 2 x parameters x tokens
+(the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
+a large fp32 matmul measured in the same run. For the C attention kernel the script also times SDPA's
+causal kernel on the prefill's shape (keys and values contiguous, so it gets no paged-cache gather).
+
+    python benchmarks/step_profile.py --save benchmarks/results/step_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import run_record  # noqa: E402
+
+from backends.native.batch import Batch  # noqa: E402
+from backends.native.config import EngineConfig  # noqa: E402
+from backends.native.model_runner import ModelRunner  # noqa: E402
+from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of the fastest of ``repeats`` square matmuls: this machine's practical peak for ``dtype``
+    (the fastest, not the mean: on a shared machine the mean measures the neighbours too)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    best = min(timed(lambda: torch.mm(a, b), 1) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def make_batch(runner: ModelRunner, query_lens: list[int], context_lens: list[int]) -> Batch:
+    """Sequences on consecutive blocks, each computing its last ``query_lens[i]`` of ``context_lens[i]`` positions."""
+    bs, tables, next_block = runner.block_size, [], 0
+    token_ids, positions, slots = [], [], []
+    for n, ctx in zip(query_lens, context_lens):
+        table = list(range(next_block, next_block + -(-ctx // bs)))
+        next_block += len(table)
+        tables.append(table)
+        for p in range(ctx - n, ctx):
+            token_ids.append(100 + p % 30000)
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+    if next_block > runner.num_blocks:
+        raise ValueError(f"the step needs {next_block} KV blocks; the cache has {runner.num_blocks}")
+    decode_first = sorted(range(len(query_lens)), key=lambda i: query_lens[i] != 1)
+    assert decode_first == list(range(len(query_lens))), "decodes must come first"
+    return Batch(token_ids, positions, slots, query_lens, context_lens, tables, [True] * len(query_lens))
+
+
+@torch.inference_mode()
+def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
+    """The whole step's seconds, each part's seconds (all layers) and FLOPs, and the step's model FLOPs."""
+    model, cfg = runner.model, runner.model.config
+    meta = runner.kernels.attention.build(batch)
+    step = timed(lambda: runner.execute(batch), repeats)
+    tokens, layers, attn = len(batch.token_ids), model.layers, model.layers[0].self_attn
+    x = torch.randn(tokens, cfg.hidden_size, dtype=runner.dtype)
+    qkv = attn.qkv_proj(x)
+    rope = model.rotary.tables(torch.tensor(batch.positions))
+    q, k, v = attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *runner.kv_caches[0],
+                                       meta.slot_mapping)
+    gate_up = layers[0].mlp.gate_up_proj(x)
+    act = layers[0].mlp.ops.silu_and_mul(gate_up)
+    rows, h, residual = x[meta.logits_indices], x.clone(), x.clone()
+    keys = sum(n * ctx - n * (n - 1) / 2 for n, ctx in zip(batch.query_lens, batch.context_lens))  # causal
+    inputs = {("self_attn", "qkv_proj"): x, ("self_attn", "o_proj"): torch.randn(tokens, attn.q_size),
+              ("mlp", "gate_up_proj"): x, ("mlp", "down_proj"): act}
+
+    def projection(owner: str, name: str) -> tuple[Callable[[], object], float]:
+        """Every layer's ``owner.name`` on its input, and the FLOPs of that."""
+        modules = [getattr(getattr(layer, owner), name) for layer in layers]
+        weights = modules[0].in_features * modules[0].out_features
+        return (lambda: [m(inputs[owner, name]) for m in modules]), 2 * tokens * weights * len(layers)
+
+    parts = {
+        **{name: projection(owner, name) for owner, name in inputs},
+        "attention": (lambda: [attn.backend.forward(q, k, v, *kv, meta, attn.scale) for kv in runner.kv_caches],
+                      4 * attn.num_heads * attn.head_dim * keys * len(layers)),
+        # in place, as in the step: the rows are normalised again and rotated again on each call
+        "add_rms_norm x2": (lambda: [layer.input_layernorm(h, residual) for layer in layers for _ in (0, 1)], 0),
+        "rotary_store_kv": (lambda: [attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *kv,
+                                                              meta.slot_mapping) for kv in runner.kv_caches], 0),
+        "silu_and_mul": (lambda: [layer.mlp.ops.silu_and_mul(gate_up) for layer in layers], 0),
+        "lm_head": (lambda: model.lm_head(rows), 2 * len(rows) * cfg.hidden_size * model.lm_head.out_features),
+    }
+    out = {"tokens": tokens, "sequences": len(batch.query_lens), "step_s": step, "parts": {}}
+    for name, (fn, flops) in parts.items():
+        seconds = timed(fn, repeats)
+        out["parts"][name] = {"s": seconds, "share": seconds / step, "gflop_s": flops / seconds / 1e9 if flops else None}
+    out["parts"]["rest"] = {"s": step - sum(p["s"] for p in out["parts"].values()), "gflop_s": None}
+    out["parts"]["rest"]["share"] = out["parts"]["rest"]["s"] / step
+    out["model_flops"] = sum(flops for _, flops in parts.values())
+    out["model_gflop_s"] = out["model_flops"] / step / 1e9
+    return out
+
+
+def sdpa_prefill(prompts: int, prompt_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> float:
+    """Seconds of torch's causal SDPA for one layer on the prefill's shape (GQA by repeated keys)."""
+    q = torch.randn(prompts, heads, prompt_len, head_dim)
+    k = torch.randn(prompts, kv_heads, prompt_len, head_dim).repeat_interleave(heads // kv_heads, 1)
+    v = torch.randn_like(k)
+    return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+    config = EngineConfig(dtype="float32", max_model_len=max(args.prompt_len, args.context) + 1)
+    runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
+    peak = matmul_peak(runner.dtype)
+    steps = {
+        "prefill": make_batch(runner, [args.prompt_len] * args.prompts, [args.prompt_len] * args.prompts),
+        "decode": make_batch(runner, [1] * args.batch, [args.context] * args.batch),
+    }
+    results = {}
+    for name, batch in steps.items():
+        r = results[name] = profile_step(runner, batch, args.repeats)
+        r["mfu"] = r["model_gflop_s"] * 1e9 / peak
+        print(f"\n{name}: {r['sequences']} sequences, {r['tokens']} tokens, step {r['step_s'] * 1000:.1f} ms, "
+              f"{r['tokens'] / r['step_s']:.0f} tok/s, model {r['model_gflop_s']:.1f} GFLOP/s = {r['mfu']:.0%} "
+              f"of the matmul peak ({peak / 1e9:.1f} GFLOP/s, {runner.dtype})")
+        for part, p in r["parts"].items():
+            rate = f"{p['gflop_s']:7.1f} GFLOP/s" if p["gflop_s"] else ""
+            print(f"  {part:16s} {p['s'] * 1000:8.1f} ms  {p['share']:6.1%}  {rate}")
+    attn = runner.model.layers[0].self_attn
+    sdpa = sdpa_prefill(args.prompts, args.prompt_len, attn.num_heads, attn.num_kv_heads, attn.head_dim, args.repeats)
+    c_attention = results["prefill"]["parts"]["attention"]["s"] / len(runner.model.layers)
+    print(f"\nprefill attention per layer: C paged kernel {c_attention * 1000:.1f} ms, torch SDPA causal "
+          f"{sdpa * 1000:.1f} ms ({sdpa / c_attention:.2f}x the kernel's time)")
+    if args.save:
+        args.save.write_text(json.dumps({**run_record(), "matmul_peak_gflop_s": peak / 1e9, "dtype": str(runner.dtype),
+                                         "kernels": {"attention": runner.kernels.attention.name},
+                                         "sdpa_prefill_attention_per_layer_s": sdpa,
+                                         "c_prefill_attention_per_layer_s": c_attention, **results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
