@@ -4,9 +4,9 @@ Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguou
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
 (5-8x faster per layer here). Prefill: a tiled causal kernel over the same cache, for chunks with or
 without a cached prefix, scoring a tile of query rows against transposed keys and accumulating values in
-registers: no gather of cached prefixes, and as fast as torch's causal SDPA kernel on contiguous keys
-(21.1 vs 26.3 ms per layer on 4 x 512 tokens here, benchmarks/results/step_profile.json). Without a C compiler the engine keeps the pure-torch path
-(torch_attention.py).
+registers: no gather of cached prefixes, and at least as fast as torch's causal SDPA kernel on
+contiguous keys (21.1 vs 26.3 ms per layer on 4 x 512 tokens here, benchmarks/results/step_profile.json).
+Without a C compiler the engine keeps the pure-torch path (torch_attention.py).
 """
 
 from __future__ import annotations
