@@ -16,9 +16,12 @@
 - Goodput: requests meeting every given SLO (ms) per second; TPOT counts as 0 for one-token outputs.
 Failed requests are counted by kind and excluded from every latency and token statistic.
 
-Deliberate differences from vLLM's bench, both stricter: a stream carrying an in-band error event, or
+Deliberate differences from vLLM's bench, all stricter: a stream carrying an in-band error event, or
 ending without any ``finish_reason``, is a failure (``error_event``, ``incomplete``) even after tokens
-arrived; vLLM counts both as successes, so a server that cuts answers short would look faster.
+arrived; vLLM counts both as successes, so a server that cuts answers short would look faster. And a
+stream that has begun and then stays silent for the stall timeout (120 s) is a ``timeout``, where vLLM
+waits out its 6-hour total; before its first line a request waits as long as ``--timeout`` allows (a
+burst's last requests queue for minutes on a CPU server, and vLLM's bench does not cut them either).
 """
 
 from __future__ import annotations
