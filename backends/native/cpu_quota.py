@@ -1,9 +1,11 @@
-"""How many CPU threads the engine should run: its cgroup's CPU quota, not the node's core count.
+"""How many CPU threads the engine should run: the CPUs it may use, not the node's core count.
 
 A container limited to 4 CPUs on a 64-core node still sees 64 cores; torch would start 64 threads and
-the kernel would throttle them to 4 CPUs' worth of time, slower than 4 threads. The quota is read from
-cgroup v2 (``cpu.max``: ``QUOTA PERIOD`` or ``max PERIOD``), else cgroup v1 (``cpu.cfs_quota_us``, -1 for
-none, over ``cpu.cfs_period_us``), rounded up (never more than ``os.cpu_count()``); with no quota, ``os.cpu_count()``.
+the kernel would throttle them to 4 CPUs' worth of time, slower than 4 threads. The same holds for a
+process pinned to some cores (``taskset``, a cpuset from Kubernetes' static CPU manager): two threads on
+one allowed core wait for each other at every parallel region. So the count is the process's CPU
+affinity, capped by the cgroup's quota: cgroup v2 (``cpu.max``: ``QUOTA PERIOD`` or ``max PERIOD``), else
+cgroup v1 (``cpu.cfs_quota_us``, -1 for none, over ``cpu.cfs_period_us``), rounded up.
 """
 
 from __future__ import annotations
@@ -50,8 +52,15 @@ def resolve_num_threads(num_threads: int | None, root: Path | None = None) -> tu
     root = root or CGROUP
     if num_threads:
         return num_threads, "num_threads"
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     cpus = cgroup_cpus(root)
-    if cpus is not None:
-        return min(cpus, cores), f"the cgroup's CPU quota under {root}"
-    return cores, "os.cpu_count(): no cgroup CPU quota"
+    if cpus is not None and cpus < cores:
+        return cpus, f"the cgroup's CPU quota under {root}"
+    return cores, "the process's CPU affinity"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), where the OS tells; else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -33,14 +33,26 @@ def test_cgroup_v1_quota(tmp_path, folder):
     assert cgroup_cpus(tmp_path) == 3
 
 
-def test_explicit_threads_then_quota_then_cpu_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert resolve_num_threads(None, tmp_path) == (64, "os.cpu_count(): no cgroup CPU quota")
+def test_explicit_threads_then_quota_then_affinity(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert resolve_num_threads(None, tmp_path) == (64, "the process's CPU affinity")
     (tmp_path / "cpu.max").write_text("400000 100000")
     assert resolve_num_threads(None, tmp_path)[0] == 4
     assert resolve_num_threads(7, tmp_path) == (7, "num_threads")
     (tmp_path / "cpu.max").write_text("12800000 100000")  # a quota above the machine's cores
     assert resolve_num_threads(None, tmp_path)[0] == 64
+
+
+def test_a_process_pinned_to_some_cores_runs_one_thread_per_allowed_core(tmp_path):
+    """``taskset -c 1`` (or a Kubernetes cpuset): the affinity mask, not the node's cores, counts."""
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        assert resolve_num_threads(None, tmp_path) == (1, "the process's CPU affinity")
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_the_engine_runs_with_the_quota_when_it_starts(tmp_path, monkeypatch, caplog, smollm2_tokenizer):
