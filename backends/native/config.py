@@ -43,7 +43,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=16)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    num_threads: int | None = Field(None, ge=1)  # None: the cgroup's CPU quota, resolved when the engine starts
+    num_threads: int | None = Field(None, ge=1)  # None: CPU affinity capped by the cgroup quota
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # CUDA: no graphs for decode steps (vLLM's name)
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
