@@ -10,7 +10,7 @@ model's own modules and kernels: the four linear projections over all layers, at
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
 its own noise, so a small negative rest means "nothing measurable"). Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
-a large fp32 matmul measured in the same run. For the C attention kernel the script also times SDPA's
+a large matmul of the engine's dtype measured in the same run. For the C attention kernel the script also times SDPA's
 causal kernel on the prefill's shape (keys and values contiguous, so it gets no paged-cache gather).
 
     python benchmarks/step_profile.py --save benchmarks/results/step_profile.json
@@ -92,7 +92,7 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     act = layers[0].mlp.ops.silu_and_mul(gate_up)
     rows, h, residual = x[meta.logits_indices], x.clone(), x.clone()
     keys = sum(n * ctx - n * (n - 1) / 2 for n, ctx in zip(batch.query_lens, batch.context_lens))  # causal
-    inputs = {("self_attn", "qkv_proj"): x, ("self_attn", "o_proj"): torch.randn(tokens, attn.q_size),
+    inputs = {("self_attn", "qkv_proj"): x, ("self_attn", "o_proj"): torch.randn(tokens, attn.q_size, dtype=runner.dtype),
               ("mlp", "gate_up_proj"): x, ("mlp", "down_proj"): act}
 
     def projection(owner: str, name: str) -> tuple[Callable[[], object], float]:
@@ -123,10 +123,11 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     return out
 
 
-def sdpa_prefill(prompts: int, prompt_len: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> float:
+def sdpa_prefill(prompts: int, prompt_len: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 repeats: int) -> float:
     """Seconds of torch's causal SDPA for one layer on the prefill's shape (GQA by repeated keys)."""
-    q = torch.randn(prompts, heads, prompt_len, head_dim)
-    k = torch.randn(prompts, kv_heads, prompt_len, head_dim).repeat_interleave(heads // kv_heads, 1)
+    q = torch.randn(prompts, heads, prompt_len, head_dim, dtype=dtype)
+    k = torch.randn(prompts, kv_heads, prompt_len, head_dim, dtype=dtype).repeat_interleave(heads // kv_heads, 1)
     v = torch.randn_like(k)
     return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
 
@@ -138,9 +139,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="the engine's dtype (auto: bf16 where the CPU multiplies it natively, as `burstgate serve`)")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
-    config = EngineConfig(dtype="float32", max_model_len=max(args.prompt_len, args.context) + 1)
+    config = EngineConfig(dtype=args.dtype, max_model_len=max(args.prompt_len, args.context) + 1)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     peak = matmul_peak(runner.dtype)
     steps = {
@@ -158,7 +161,8 @@ def main() -> None:
             rate = f"{p['gflop_s']:7.1f} GFLOP/s" if p["gflop_s"] else ""
             print(f"  {part:16s} {p['s'] * 1000:8.1f} ms  {p['share']:6.1%}  {rate}")
     attn = runner.model.layers[0].self_attn
-    sdpa = sdpa_prefill(args.prompts, args.prompt_len, attn.num_heads, attn.num_kv_heads, attn.head_dim, args.repeats)
+    sdpa = sdpa_prefill(args.prompts, args.prompt_len, attn.num_heads, attn.num_kv_heads, attn.head_dim, runner.dtype,
+                        args.repeats)
     c_attention = results["prefill"]["parts"]["attention"]["s"] / len(runner.model.layers)
     print(f"\nprefill attention per layer: C paged kernel {c_attention * 1000:.1f} ms, torch SDPA causal "
           f"{sdpa * 1000:.1f} ms ({sdpa / c_attention:.2f}x the kernel's time)")

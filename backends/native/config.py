@@ -80,13 +80,22 @@ class EngineConfig(BaseModel):
 CPUINFO = Path("/proc/cpuinfo")
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (/proc/cpuinfo); empty where it cannot be read."""
+    try:
+        return set(next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16)."""
-    try:
-        flags = next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return bool({"amx_bf16", "avx512_bf16"} & set(flags.split()))
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons)."""
+    return "amx_bf16" in cpu_flags()
 
 
 @dataclass

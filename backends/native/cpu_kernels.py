@@ -33,7 +33,7 @@ CSRC = Path(__file__).with_name("csrc")
 # Fast math lets the compiler vectorise reductions and exp (libmvec); the kernels never meet inf or NaN
 # on valid inputs (running maxima start at -FLT_MAX, exp arguments are clamped). It applies to compiling
 # only: linking with -ffast-math adds crtfastmath.o, which turns on flush-to-zero for the whole process.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]
 # x86-64 micro-architecture levels (the psABI's) and the /proc/cpuinfo flags each one needs; "abm" is LZCNT.
 _V2 = {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}

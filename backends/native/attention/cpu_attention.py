@@ -4,8 +4,11 @@ Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguou
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
 (5-8x faster per layer here). Prefill: a tiled causal kernel over the same cache, for chunks with or
 without a cached prefix, scoring a tile of query rows against transposed keys and accumulating values in
-registers: no gather of cached prefixes, and at least as fast as torch's causal SDPA kernel on
-contiguous keys (21.1 vs 26.3 ms per layer on 4 x 512 tokens here, benchmarks/results/step_profile.json).
+registers: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys in
+fp32 on an AMD EPYC (21.1 vs 26.3 ms per layer on 4 x 512 tokens, benchmarks/results/step_profile.json).
+In bf16 on a CPU with AMX tiles, torch's flash-attention kernel multiplies on the tiles (oneDNN brgemm)
+while this kernel widens to fp32 vector FMAs: there prefill chunks go to SDPA (``flash_prefill``), 3x
+faster per layer (4.1 vs 12.4 ms on a Xeon with AMX, benchmarks/results/step_profile_bf16_amx.json).
 Without a C compiler the engine keeps the pure-torch path (torch_attention.py).
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
+from backends.native.attention.torch_attention import prefill_chunk
 from backends.native.batch import Batch
 from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
 
@@ -31,22 +35,30 @@ class CpuMetadata(StepMetadata):
     prefill_query_starts: torch.Tensor
     prefill_query_lens: torch.Tensor
     prefill_context_lens: torch.Tensor
+    # with flash_prefill: each prefill chunk as (first row, rows, context length, block table)
+    flash_chunks: list[tuple[int, int, int, torch.Tensor]]
 
 
 class CpuAttention(AttentionBackend):
-    """Decodes and prefill chunks on the C kernels, reading the cache in place."""
+    """Decodes on the C kernel, reading the cache in place; prefill chunks on the C kernel too, or with
+    ``flash_prefill`` on torch's flash-attention kernel (bf16 on CPUs with AMX, see the module docstring)."""
 
-    name = "C paged"
+    def __init__(self, block_size: int, num_blocks: int, device: torch.device, flash_prefill: bool = False) -> None:
+        super().__init__(block_size, num_blocks, device)
+        self.flash_prefill = flash_prefill
+        self.name = "C paged (prefill: torch flash)" if flash_prefill else "C paged"
 
     def build(self, batch: Batch) -> CpuMetadata:
         starts, slots, logits_indices = self.common(batch)
         nd = batch.num_decodes
         tables = pad_tables(batch.block_tables[:nd]), pad_tables(batch.block_tables[nd:])
+        chunks = [(starts[i], batch.query_lens[i], batch.context_lens[i], self.int64(batch.block_tables[i]))
+                  for i in range(nd, len(starts))] if self.flash_prefill else []
         return CpuMetadata(
             slots, logits_indices, nd,
             self.int64(tables[0]), self.int64(batch.context_lens[:nd]),
             self.int64(tables[1]), self.int64([s - nd for s in starts[nd:]]),
-            self.int64(batch.query_lens[nd:]), self.int64(batch.context_lens[nd:]))
+            self.int64(batch.query_lens[nd:]), self.int64(batch.context_lens[nd:]), chunks)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale):
         out = torch.empty_like(q)
@@ -54,7 +66,10 @@ class CpuAttention(AttentionBackend):
         if nd:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables,
                                               meta.decode_context_lens, scale)
-        if nd < q.shape[0]:
+        for start, n, ctx, table in meta.flash_chunks:
+            rows = slice(start, start + n)
+            out[rows] = prefill_chunk(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
+        if nd < q.shape[0] and not self.flash_prefill:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
                                     meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:])
         return out

@@ -89,14 +89,9 @@ class TorchAttention(AttentionBackend):
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for i in range(nd, len(meta.query_lens)):
-            start, qlen, ctx = meta.query_starts[i], meta.query_lens[i], meta.context_lens[i]
-            rows = slice(start, start + qlen)
-            if ctx == qlen:  # no cached prefix: the fresh keys are all there is
-                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            else:
-                keys = gather(k_cache, meta.block_tables[i])[0, :, :ctx]
-                values = gather(v_cache, meta.block_tables[i])[0, :, :ctx]
-            out[rows] = prefill_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
+            rows = slice(meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i])
+            out[rows] = prefill_chunk(q[rows], k[rows], v[rows], k_cache, v_cache, meta.block_tables[i],
+                                      meta.context_lens[i], scale)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMetadata,
@@ -143,6 +138,19 @@ def gather(cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | 
         return flat.index_select(0, rows).view(tables.shape[0], h, -1, d)
     torch.index_select(flat, 0, rows, out=out.view(rows.shape[0], bs * d))
     return out
+
+
+def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """Causal attention output [Q, Hq, D] of one prefill chunk: queries ``q`` [Q, Hq, D] and their keys and
+    values ``k``/``v`` [Q, Hkv, D] are the last Q of the sequence's ``context_len`` positions, all of which
+    are in the caches at ``block_table``."""
+    if context_len == q.shape[0]:  # no cached prefix: the fresh keys are all there is
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        keys = gather(k_cache, block_table)[0, :, :context_len]
+        values = gather(v_cache, block_table)[0, :, :context_len]
+    return prefill_attention(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

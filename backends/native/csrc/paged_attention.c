@@ -68,6 +68,16 @@ static inline __attribute__((always_inline)) void attend_block(
     }
 }
 
+/* Ask for a cache block's keys and values ahead of use. Blocks are scattered over the cache, so the
+ * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
+ * decode reads the whole KV cache once per step from memory and waited on it. */
+static inline void prefetch_block(const char *k, const char *v, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) {
+        __builtin_prefetch(k + at);
+        __builtin_prefetch(v + at);
+    }
+}
+
 /* Whether the kernel handles this layout (fixed-size per-task buffers bound it). */
 int paged_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP &&
@@ -99,11 +109,16 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
                 l[g] = 0.0f;
             }
-            const int64_t ctx = context_lens[s];
+            const int64_t ctx = context_lens[s], elem = is_bf16 ? 2 : 4;
             for (int64_t start = 0; start < ctx; start += block_size) {
                 const int64_t block = block_tables[s * table_stride + start / block_size];
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;
                 const int64_t base = (h * num_blocks + block) * block_size * d;
+                if (start + block_size < ctx) { /* the next block, while this one is scored */
+                    const int64_t next = (h * num_blocks + block_tables[s * table_stride + start / block_size + 1])
+                                         * block_size * d * elem;
+                    prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, block_size * d * elem);
+                }
                 const float *k = (const float *)k_cache + base, *v = (const float *)v_cache + base;
                 if (is_bf16) {
                     widen((const uint16_t *)k_cache + base, kbuf, n * d);

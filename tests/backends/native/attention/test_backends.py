@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():  # before the Triton kernel is decorated: run it on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from backends.native import config as engine_config  # noqa: E402
 from backends.native.attention import Kernels, choose_kernels  # noqa: E402
 from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
 from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
@@ -36,9 +37,15 @@ def triton_backend(*args):
     return TritonAttention(*args)
 
 
+def c_with_flash_prefill(*args):
+    return CpuAttention(*args, flash_prefill=True)
+
+
+CPU_ONLY = (CpuAttention, c_with_flash_prefill)
 BACKENDS = {
     "torch": TorchAttention,
     "c-cpu": CpuAttention,
+    "c-cpu-flash-prefill": c_with_flash_prefill,
     "triton": pytest.param(triton_backend, marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")),
 }
 
@@ -84,7 +91,7 @@ def reference(q, k_cache, v_cache, batch: Batch, scale: float) -> torch.Tensor:
 @pytest.mark.parametrize("make_backend", BACKENDS.values(), ids=BACKENDS.keys())
 @pytest.mark.parametrize("hq, hkv, d", LAYOUTS)
 def test_a_mixed_step_matches_causal_softmax_attention(make_backend, hq, hkv, d):
-    device = DEVICE if make_backend is not CpuAttention else torch.device("cpu")
+    device = DEVICE if make_backend not in CPU_ONLY else torch.device("cpu")
     (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.float32, device)
     backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, device)
     meta = backend.build(batch)
@@ -107,10 +114,11 @@ def test_the_c_kernels_take_any_block_size_and_head_size(block_size):
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("make_backend", [CpuAttention, pytest.param(triton_backend, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="bf16 Triton runs on a GPU"))], ids=["c-cpu", "triton"])
+@pytest.mark.parametrize("make_backend", [CpuAttention, c_with_flash_prefill, pytest.param(
+    triton_backend, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton runs on a GPU"))],
+    ids=["c-cpu", "c-cpu-flash-prefill", "triton"])
 def test_bf16_caches_give_bf16_answers_within_rounding(make_backend):
-    device = DEVICE if make_backend is not CpuAttention else torch.device("cpu")
+    device = DEVICE if make_backend not in CPU_ONLY else torch.device("cpu")
     (q, k, v, k_cache, v_cache), batch = make_step(9, 3, 64, torch.bfloat16, device)
     backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, device)
     got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 0.125)
@@ -148,3 +156,17 @@ def test_kernels_are_chosen_by_config_and_device():
     assert _chosen(choose_kernels("torch", cfg, torch.float32, cpu, 16, 8)) == ("TorchAttention", TorchLayerOps)
     with pytest.raises(ValueError, match="unknown kernels"):
         choose_kernels("flash", cfg, torch.float32, cpu, 16, 8)
+
+
+@pytest.mark.parametrize("flags, dtype, flash", [
+    ("avx512f amx_tile amx_bf16", torch.bfloat16, True),  # AMX: torch's flash kernel multiplies on the tiles
+    ("avx512f amx_tile amx_bf16", torch.float32, False),  # fp32 never reaches the tiles
+    ("avx512f avx512_bf16", torch.bfloat16, False),  # AVX512-BF16 without AMX: the C kernel
+    ("avx2 fma", torch.float32, False),
+])
+def test_bf16_prefill_goes_to_torchs_flash_kernel_only_on_cpus_with_amx(tmp_path, monkeypatch, flags, dtype, flash):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(engine_config, "CPUINFO", cpuinfo)
+    attention = choose_kernels("auto", _tiny_config(), dtype, torch.device("cpu"), 16, 8).attention
+    assert isinstance(attention, CpuAttention) and attention.flash_prefill is flash
