@@ -289,6 +289,11 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             n = left < in_block ? left : in_block;
             n = n < KEYS ? n : KEYS;
             const int64_t base = ((h * num_blocks + block) * block_size + key0 % block_size) * d;
+            if (key0 % block_size == 0 && key0 + block_size < keys) { /* a new block: ask for the next one */
+                const int64_t elem = is_bf16 ? 2 : 4, bytes = block_size * d * elem;
+                const int64_t next = (h * num_blocks + block_tables[s * table_stride + key0 / block_size + 1]) * bytes;
+                prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, bytes);
+            }
             for (int64_t t = 0; t < KEYS; t++) { /* transpose keys (zeros past n), widen values */
                 for (int64_t i = 0; i < d; i++) kt[i * KEYS + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
             }
