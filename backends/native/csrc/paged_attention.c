@@ -68,10 +68,11 @@ static inline __attribute__((always_inline)) void attend_block(
     }
 }
 
-/* Ask for a cache block's keys and values ahead of use. Blocks are scattered over the cache, so the
+/* Ask for the keys and values of cache row `row` (KV head x num_blocks + block) ahead of use. Blocks are scattered over the cache, so the
  * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
  * decode reads the whole KV cache once per step from memory and waited on it. */
-static inline void prefetch_block(const char *k, const char *v, int64_t bytes) {
+static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t row, int64_t bytes) {
+    const char *k = (const char *)k_cache + row * bytes, *v = (const char *)v_cache + row * bytes;
     for (int64_t at = 0; at < bytes; at += 64) {
         __builtin_prefetch(k + at);
         __builtin_prefetch(v + at);
@@ -109,16 +110,14 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
                 l[g] = 0.0f;
             }
-            const int64_t ctx = context_lens[s], elem = is_bf16 ? 2 : 4;
+            const int64_t ctx = context_lens[s], block_bytes = block_size * d * (is_bf16 ? 2 : 4);
             for (int64_t start = 0; start < ctx; start += block_size) {
                 const int64_t block = block_tables[s * table_stride + start / block_size];
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;
                 const int64_t base = (h * num_blocks + block) * block_size * d;
-                if (start + block_size < ctx) { /* the next block, while this one is scored */
-                    const int64_t next = (h * num_blocks + block_tables[s * table_stride + start / block_size + 1])
-                                         * block_size * d * elem;
-                    prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, block_size * d * elem);
-                }
+                if (start + block_size < ctx) /* the next block, while this one is scored */
+                    prefetch_block(k_cache, v_cache,
+                                   h * num_blocks + block_tables[s * table_stride + start / block_size + 1], block_bytes);
                 const float *k = (const float *)k_cache + base, *v = (const float *)v_cache + base;
                 if (is_bf16) {
                     widen((const uint16_t *)k_cache + base, kbuf, n * d);
@@ -289,11 +288,9 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             n = left < in_block ? left : in_block;
             n = n < KEYS ? n : KEYS;
             const int64_t base = ((h * num_blocks + block) * block_size + key0 % block_size) * d;
-            if (key0 % block_size == 0 && key0 + block_size < keys) { /* a new block: ask for the next one */
-                const int64_t elem = is_bf16 ? 2 : 4, bytes = block_size * d * elem;
-                const int64_t next = (h * num_blocks + block_tables[s * table_stride + key0 / block_size + 1]) * bytes;
-                prefetch_block((const char *)k_cache + next, (const char *)v_cache + next, bytes);
-            }
+            if (key0 % block_size == 0 && key0 + block_size < keys) /* a new block: ask for the next one */
+                prefetch_block(k_cache, v_cache, h * num_blocks + block_tables[s * table_stride + key0 / block_size + 1],
+                               block_size * d * (is_bf16 ? 2 : 4));
             for (int64_t t = 0; t < KEYS; t++) { /* transpose keys (zeros past n), widen values */
                 for (int64_t i = 0; i < d; i++) kt[i * KEYS + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
             }
