@@ -4,13 +4,15 @@
  * Decode (one query token per sequence): one task per (sequence, KV head). A task walks the sequence's
  * blocks once; each block is scored against every query head of the KV group while it is in cache (one
  * K/V read serves the whole group) and folded into a running max, sum and accumulator per head (online
- * softmax).
+ * softmax). With AVX-512 (head sizes a multiple of 32) keys come 16 at a time, read in place: their 16
+ * scores land in one vector (per-key partial sums, then one transposing reduction), bf16 keys multiply in
+ * pairs without widening where the CPU has AVX512-BF16, and the softmax update runs on the vector.
  * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of queries);
  * keys come 16 at a time, transposed once per task so that a tile's scores build up as vector FMAs, and
  * the weighted values accumulate in registers, four query rows by 16 columns at a time.
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
- * Arithmetic is fp32; bf16 storage is widened block by block. Built and loaded by cpu_kernels.py;
+ * Sums are fp32; bf16 storage is widened block by block (or multiplied in pairs, above). Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
  */
 
@@ -30,43 +32,145 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
 }
 
-/* Fold n keys/values (rows of d floats) into the running softmax state of `group` query heads.
- * Inlined at call sites with a constant d, so the per-head row loops unroll and stay in registers. */
+/* acc = acc * alpha + sum over t < n of p[t] * v[t] (rows of d floats) for one query head. Inlined at
+ * call sites with a constant d, so the row loops unroll and stay in registers. */
+static inline __attribute__((always_inline)) void fold_values(const float *p, const float *v, int64_t n,
+                                                              const int64_t d, float alpha, float *acc) {
+    float row[MAX_HEAD_DIM];
+    #pragma omp simd
+    for (int64_t i = 0; i < d; i++) row[i] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) row[i] += p[t] * v[t * d + i];
+    }
+    #pragma omp simd
+    for (int64_t i = 0; i < d; i++) acc[i] = acc[i] * alpha + row[i];
+}
+
+/* Fold n keys, whose scores (q . k, scaled) are p[0..n), and their values (rows of d floats) into the
+ * running softmax state (acc, m, l) of one query head. */
+static inline __attribute__((always_inline)) void fold_scores(float *p, const float *v, int64_t n, const int64_t d,
+                                                              int first, float *acc, float *m, float *l) {
+    float top = -FLT_MAX;
+    for (int64_t t = 0; t < n; t++) top = p[t] > top ? p[t] : top;
+    /* A new maximum rescales what was summed under the old one (nothing was, for the first keys). */
+    const float m_new = first || top > *m ? top : *m;
+    const float alpha = first ? 0.0f : expf(*m - m_new);
+    float sum = 0.0f;
+    #pragma omp simd reduction(+:sum)
+    for (int64_t t = 0; t < n; t++) {
+        p[t] = expf(p[t] - m_new);
+        sum += p[t];
+    }
+    fold_values(p, v, n, d, alpha, acc);
+    *l = *l * alpha + sum;
+    *m = m_new;
+}
+
+/* Fold n keys/values (rows of d floats) into the running softmax state of `group` query heads. */
 static inline __attribute__((always_inline)) void attend_block(
-        const float *k, const float *v, int64_t n, const int64_t d, int64_t group, int first,
+        const float *k, const float *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
         float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
     float p[MAX_BLOCK_SIZE];
     for (int64_t g = 0; g < group; g++) {
-        float top = -FLT_MAX;
         for (int64_t t = 0; t < n; t++) {
             float score = 0.0f;
             #pragma omp simd reduction(+:score)
             for (int64_t i = 0; i < d; i++) score += q[g][i] * k[t * d + i];
-            p[t] = score;
-            top = score > top ? score : top;
+            p[t] = score * scale;
         }
-        /* A new maximum rescales what was summed under the old one (nothing was, for the first block). */
-        const float m_new = first || top > m[g] ? top : m[g];
-        const float alpha = first ? 0.0f : expf(m[g] - m_new);
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < n; t++) {
-            p[t] = expf(p[t] - m_new);
-            sum += p[t];
-        }
-        float row[MAX_HEAD_DIM];
-        #pragma omp simd
-        for (int64_t i = 0; i < d; i++) row[i] = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            #pragma omp simd
-            for (int64_t i = 0; i < d; i++) row[i] += p[t] * v[t * d + i];
-        }
-        #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[g][i] = acc[g][i] * alpha + row[i];
-        l[g] = l[g] * alpha + sum;
-        m[g] = m_new;
+        fold_scores(p, v, n, d, first, acc[g], &m[g], &l[g]);
     }
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DECODE_KEYS 16 /* keys scored at once: one score per lane */
+
+/* Lane t: the sum of a[t]'s lanes. A transposing tree of 45 shuffles and adds gives all 16 sums at once;
+ * one horizontal reduction per key (~8 dependent operations each) made scoring slower than loading. */
+static inline __m512 sum_each16(const __m512 a[16]) {
+    __m512 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: a[2i] and a[2i+1], two partial sums each, interleaved */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: keys 4i..4i+3, in order */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: keys 8i..8i+3 twice, then 8i+4..8i+7 twice */
+        e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __m512 widen16(const uint16_t *p) { /* 16 bf16 -> 16 floats */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Scores q . k[t] of n <= 16 keys (rows of d elements, d a multiple of 32), lanes past n zero. qf: the
+ * query in fp32; qh: in bf16 (read with a bf16 cache). With AVX512-BF16, bf16 rows multiply in pairs
+ * (vdpbf16ps: exact products, fp32 sums) without widening. */
+static inline __attribute__((always_inline)) __m512 scores16(const float *qf, const uint16_t *qh, const void *k,
+                                                             int64_t n, const int64_t d, const int bf16) {
+    __m512 part[DECODE_KEYS];
+    for (int64_t t = 0; t < DECODE_KEYS; t++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; t < n && c < d; c += 32) {
+            if (bf16) {
+                const uint16_t *kr = (const uint16_t *)k + t * d + c;
+#if defined(__AVX512BF16__)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qh + c), (__m512bh)_mm512_loadu_si512(kr));
+#else
+                (void)qh;
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), widen16(kr), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c + 16), widen16(kr + 16), a);
+#endif
+            } else {
+                const float *kr = (const float *)k + t * d + c;
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), _mm512_loadu_ps(kr), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c + 16), _mm512_loadu_ps(kr + 16), a);
+            }
+        }
+        part[t] = a;
+    }
+    return sum_each16(part);
+}
+
+/* attend_block for a cache row read in place (fp32 or bf16), 16 keys at a time, every head's scores in
+ * one vector; q unscaled (qf fp32, qh the bf16 query when the cache is bf16). */
+static inline __attribute__((always_inline)) void attend_block16(
+        const void *k, const void *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
+        float qf[][MAX_HEAD_DIM], const uint16_t *qh, float acc[][MAX_HEAD_DIM], float *m, float *l,
+        const int bf16) {
+    float p[DECODE_KEYS], vbuf[DECODE_KEYS * MAX_HEAD_DIM];
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t t0 = 0; t0 < n; t0 += DECODE_KEYS) {
+        const int64_t nt = n - t0 < DECODE_KEYS ? n - t0 : DECODE_KEYS;
+        const char *kt = (const char *)k + t0 * d * size;
+        const float *vt = (const float *)((const char *)v + t0 * d * size);
+        if (bf16) {
+            widen((const uint16_t *)vt, vbuf, nt * d);
+            vt = vbuf;
+        }
+        const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 sv = _mm512_mul_ps(scores16(qf[g], bf16 ? qh + g * d : NULL, kt, nt, d, bf16),
+                                      _mm512_set1_ps(scale));
+            sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), sv);
+            const float top = _mm512_reduce_max_ps(sv);
+            const float m_new = first && t0 == 0 ? top : fmaxf(m[g], top);
+            const float alpha = first && t0 == 0 ? 0.0f : expf(m[g] - m_new);
+            _mm512_storeu_ps(p, _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+            #pragma omp simd
+            for (int64_t t = 0; t < DECODE_KEYS; t++) p[t] = expf(p[t]); /* 0 past nt */
+            fold_values(p, vt, nt, d, alpha, acc[g]);
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(_mm512_loadu_ps(p));
+            m[g] = m_new;
+        }
+    }
+}
+#endif
 
 /* Ask for the keys and values of cache row `row` (KV head x num_blocks + block) ahead of use. Blocks are scattered over the cache, so the
  * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
@@ -104,8 +208,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int64_t head0 = (s * num_heads + h * group) * d, q0 = s * q_stride + h * group * d;
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t i = 0; i < d; i++) {
-                    const int64_t at = q0 + g * d + i;
-                    qf[g][i] = load(q, at, is_bf16) * scale;
+                    qf[g][i] = load(q, q0 + g * d + i, is_bf16);
                     acc[g][i] = 0.0f;
                 }
                 l[g] = 0.0f;
@@ -118,17 +221,29 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 if (start + block_size < ctx) /* the next block, while this one is scored */
                     prefetch_block(k_cache, v_cache,
                                    h * num_blocks + block_tables[s * table_stride + start / block_size + 1], block_bytes);
-                const float *k = (const float *)k_cache + base, *v = (const float *)v_cache + base;
+                const int64_t size = is_bf16 ? 2 : 4;
+                const void *kb = (const char *)k_cache + base * size, *vb = (const char *)v_cache + base * size;
+#if defined(__AVX512F__)
+                if (d % 32 == 0) { /* in place, 16 keys per vector of scores */
+                    const uint16_t *qh = is_bf16 ? (const uint16_t *)q + q0 : NULL;
+                    if (d == 64 && is_bf16) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 1);
+                    else if (d == 64) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 0);
+                    else if (is_bf16) attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 1);
+                    else attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 0);
+                    continue;
+                }
+#endif
+                const float *k = kb, *v = vb;
                 if (is_bf16) {
-                    widen((const uint16_t *)k_cache + base, kbuf, n * d);
-                    widen((const uint16_t *)v_cache + base, vbuf, n * d);
+                    widen(kb, kbuf, n * d);
+                    widen(vb, vbuf, n * d);
                     k = kbuf;
                     v = vbuf;
                 }
                 switch (d) { /* constant head sizes: unrolled, vectorised row loops */
-                case 64: attend_block(k, v, n, 64, group, start == 0, qf, acc, m, l); break;
-                case 128: attend_block(k, v, n, 128, group, start == 0, qf, acc, m, l); break;
-                default: attend_block(k, v, n, d, group, start == 0, qf, acc, m, l);
+                case 64: attend_block(k, v, n, 64, group, start == 0, scale, qf, acc, m, l); break;
+                case 128: attend_block(k, v, n, 128, group, start == 0, scale, qf, acc, m, l); break;
+                default: attend_block(k, v, n, d, group, start == 0, scale, qf, acc, m, l);
                 }
             }
             for (int64_t g = 0; g < group; g++) {

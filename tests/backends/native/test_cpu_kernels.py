@@ -15,6 +15,7 @@ import torch
 
 from backends.native import cpu_kernels
 from backends.native.attention import choose_kernels
+from backends.native.attention import cpu_attention
 from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
@@ -95,6 +96,30 @@ def test_without_a_compiler_the_highest_prebuilt_level_this_cpu_runs_is_loaded(m
     assert "prebuilt for x86-64-v2 (no C compiler found)" in caplog.text
     x = torch.randn(3, 64)
     torch.testing.assert_close(CpuLayerOps.silu_and_mul(x), TorchLayerOps.silu_and_mul(x))  # it computes
+
+
+@x86_64
+@pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags(), reason="x86-64-v4 needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prebuilt_avx512_library_decodes_as_this_cpus_own_build(monkeypatch, fresh_cache, prebuilt, dtype):
+    # x86-64-v4 has AVX-512 but not AVX512-BF16: its decode kernel widens bf16 keys where a native build
+    # on a CPU with AVX512-BF16 multiplies them in pairs; both must give the same attention.
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(3, 40, 16, 64).to(dtype), torch.randn(3, 40, 16, 64).to(dtype)
+    q, tables = torch.randn(5, 9, 64).to(dtype), torch.randperm(40)[:35].view(5, 7)
+    lens = torch.tensor([1, 16, 17, 100, 112])
+
+    def decode():
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125).float()
+
+    native = decode()
+    cpu_kernels.load.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: cpu_kernels.LEVELS["x86-64-v4"])
+    monkeypatch.setenv("BURSTGATE_KERNELS_DIR", str(prebuilt))
+    assert cpu_kernels.load()._name == str(prebuilt / cpu_kernels.prebuilt_name("x86-64-v4"))
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output apart at most
+    torch.testing.assert_close(decode(), native, atol=tolerance, rtol=tolerance)
 
 
 @x86_64

@@ -103,14 +103,16 @@ def test_a_mixed_step_matches_causal_softmax_attention(make_backend, hq, hkv, d)
     assert meta.logits_indices.tolist() == last_rows.tolist()
 
 
+@pytest.mark.parametrize("hq, hkv, d", [(10, 2, 40), (9, 3, 64)])
 @pytest.mark.parametrize("block_size", [1, 4, 24, 64])
-def test_the_c_kernels_take_any_block_size_and_head_size(block_size):
-    # Their prefill walks keys 16 at a time and their value rows 16 columns at a time: blocks smaller than,
-    # not a multiple of, or larger than 16 keys, and a head size that is not a multiple of 16 (40)
-    (q, k, v, k_cache, v_cache), batch = make_step(10, 2, 40, torch.float32, torch.device("cpu"), block_size)
+def test_the_c_kernels_take_any_block_size_and_head_size(block_size, hq, hkv, d):
+    # Their prefill walks keys 16 at a time and their value rows 16 columns at a time; decode with AVX-512
+    # scores 16 keys per vector where the head size is a multiple of 32: blocks smaller than, not a multiple
+    # of, or larger than 16 keys, and a head size that is not a multiple of 16 (40)
+    (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.float32, torch.device("cpu"), block_size)
     backend = CpuAttention(block_size, k_cache.shape[1], torch.device("cpu"))
-    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 40 ** -0.5)
-    expected = reference(q, k_cache, v_cache, batch, 40 ** -0.5)
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), d ** -0.5)
+    expected = reference(q, k_cache, v_cache, batch, d ** -0.5)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
