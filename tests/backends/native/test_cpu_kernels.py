@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from backends.native import cpu_kernels
-from backends.native.attention import choose_kernels
-from backends.native.attention import cpu_attention
+from backends.native.attention import choose_kernels, cpu_attention
 from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
