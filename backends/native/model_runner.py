@@ -1,8 +1,9 @@
 """Owns the model weights and the KV cache tensors; runs one flat batch. Makes no policy decisions.
 
-Start-up: build the model on its device, fill it (checkpoint or random weights), pick its kernels, size
-the KV cache (a byte budget, or on CUDA what ``gpu_memory_utilization`` leaves after a profiled step at
-the full token budget, as vLLM does), allocate it, and on CUDA capture decode steps as graphs.
+Start-up: on CPU keep freed memory in the process (host_memory.py), build the model on its device, fill
+it (checkpoint or random weights), pick its kernels, size the KV cache (a byte budget, or on CUDA what
+``gpu_memory_utilization`` leaves after a profiled step at the full token budget, as vLLM does), allocate
+it, and on CUDA capture decode steps as graphs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from backends.native.attention import Kernels, choose_kernels
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
+from backends.native.host_memory import keep_freed_memory
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
@@ -66,6 +68,8 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.device = device or config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step's activations reuse memory instead of faulting in fresh pages
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on CPU only (torch's int8 weight kernel); device is {self.device}")
         self.block_size = config.block_size
