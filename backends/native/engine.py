@@ -28,6 +28,7 @@ from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
+from backends.native.openmp import release_thread_pool
 from backends.native.sampler import ranked, sample, token_logprob, token_logprobs
 from backends.native.scheduler import Scheduler, Update
 from backends.native.sequence import Sequence
@@ -81,6 +82,9 @@ class LLMEngine:
                  self.max_model_len, self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
         if config.warmup:
             self.warm_up()
+        # The thread that built the engine may never step it (AsyncEngine steps in its own): its parked
+        # OpenMP threads would make every step's parallel regions sleep and wake (openmp.py).
+        release_thread_pool()
 
     def warm_up(self) -> None:
         """Run prefill chunks and decode steps of throwaway requests once, as vLLM does before serving:
