@@ -1,0 +1,87 @@
+"""Decode attention alone: the C paged kernel against the pure-torch path, and against a bare read of the KV.
+
+One decode step's attention over every layer of the embedded SmolLM2's layout (9 query heads, 3 KV heads,
+head size 64): ``--batch`` sequences at context ``--context``, their 16-token blocks scattered over each
+layer's cache (a fresh cache per layer, so nothing stays in the CPU's caches between layers), through
+each attention backend's own ``build`` and ``forward``. Printed per dtype: milliseconds for all layers
+(fastest of ``--repeats``), the KV bytes read per second, and the C kernel's speed-up over the torch path
+(which gathers each sequence's blocks into a contiguous copy before its matmuls).
+
+    python benchmarks/decode_attention.py --save benchmarks/results/decode_attention_amx.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import run_record  # noqa: E402
+
+from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
+from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
+from backends.native.batch import Batch  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def decode_batch(batch: int, context: int, num_blocks: int) -> Batch:
+    """``batch`` decodes at ``context``, their blocks a random permutation of the cache's."""
+    per_seq = -(-context // BLOCK)
+    blocks = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq).tolist()
+    slots = [table[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for table in blocks]
+    return Batch([0] * batch, [context - 1] * batch, slots, [1] * batch, [context] * batch, blocks, [True] * batch)
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+    num_blocks = args.batch * -(-args.context // BLOCK)
+    batch = decode_batch(args.batch, args.context, num_blocks)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        caches = [tuple(torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM).to(dtype) for _ in range(2))
+                  for _ in range(args.layers)]
+        q = torch.randn(args.batch, HEADS, HEAD_DIM).to(dtype)
+        k = v = torch.randn(args.batch, KV_HEADS, HEAD_DIM).to(dtype)  # stored already: not read by forward
+        kv_bytes = sum(c.numel() * c.element_size() for pair in caches for c in pair)
+        row = {"dtype": str(dtype), "kv_bytes": kv_bytes}
+        for name, backend in (("c", CpuAttention(BLOCK, num_blocks, torch.device("cpu"))),
+                              ("torch", TorchAttention(BLOCK, num_blocks, torch.device("cpu")))):
+            meta = backend.build(batch)
+            seconds = best_of(lambda: [backend.forward(q, k, v, kc, vc, meta, HEAD_DIM ** -0.5) for kc, vc in caches],
+                              args.repeats)
+            row[f"{name}_s"] = seconds
+            print(f"{str(dtype):15s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
+                  f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV")
+        row["c_speedup"] = row["torch_s"] / row["c_s"]
+        print(f"{str(dtype):15s} C kernel {row['c_speedup']:.2f}x the torch path")
+        rows.append(row)
+        del caches
+    if args.save:
+        args.save.write_text(json.dumps({**run_record(), "batch": args.batch, "context": args.context,
+                                         "layers": args.layers, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
