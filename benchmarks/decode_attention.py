@@ -48,6 +48,11 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
+def step_attention(backend, meta, q, k, v, caches):
+    """One step's attention, every layer's cache in turn."""
+    return lambda: [backend.forward(q, k, v, kc, vc, meta, HEAD_DIM ** -0.5) for kc, vc in caches]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
@@ -68,16 +73,13 @@ def main() -> None:
         row = {"dtype": str(dtype), "kv_bytes": kv_bytes}
         for name, backend in (("c", CpuAttention(BLOCK, num_blocks, torch.device("cpu"))),
                               ("torch", TorchAttention(BLOCK, num_blocks, torch.device("cpu")))):
-            meta = backend.build(batch)
-            seconds = best_of(lambda: [backend.forward(q, k, v, kc, vc, meta, HEAD_DIM ** -0.5) for kc, vc in caches],
-                              args.repeats)
+            seconds = best_of(step_attention(backend, backend.build(batch), q, k, v, caches), args.repeats)
             row[f"{name}_s"] = seconds
             print(f"{str(dtype):15s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
                   f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV")
         row["c_speedup"] = row["torch_s"] / row["c_s"]
         print(f"{str(dtype):15s} C kernel {row['c_speedup']:.2f}x the torch path")
         rows.append(row)
-        del caches
     if args.save:
         args.save.write_text(json.dumps({**run_record(), "batch": args.batch, "context": args.context,
                                          "layers": args.layers, "rows": rows}, indent=2) + "\n")
