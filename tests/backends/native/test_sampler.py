@@ -75,3 +75,12 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     logits[0, 5] = logits[1, 6] = 10.0
     out = [s.token_id for s in sample(logits, seqs, frozenset())]
     assert out[:2] == [5, 6]
+
+
+def test_greedy_takes_the_first_of_equal_maxima_in_greedy_and_mixed_batches():
+    # argmax's rule (and transformers' greedy search): the lowest token id among equal top logits
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0, 5.0, 0.0, 0.0, 0.0]]).repeat(2, 1)
+    greedy = sample(logits.clone(), _seqs(2, temperature=0.0), frozenset())
+    mixed = sample(logits.clone(), _seqs(1, temperature=0.0) + _seqs(1, temperature=1.0), frozenset())
+    assert [s.token_id for s in greedy] == [1, 1]
+    assert mixed[0].token_id == 1
