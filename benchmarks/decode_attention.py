@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import run_record  # noqa: E402
+from step_profile import timings  # noqa: E402
 
 from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
 from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
@@ -36,16 +36,6 @@ def decode_batch(batch: int, context: int, num_blocks: int) -> Batch:
     blocks = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq).tolist()
     slots = [table[(context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK for table in blocks]
     return Batch([0] * batch, [context - 1] * batch, slots, [1] * batch, [context] * batch, blocks, [True] * batch)
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def step_attention(backend, meta, q, k, v, caches):
@@ -73,7 +63,7 @@ def main() -> None:
         row = {"dtype": str(dtype), "kv_bytes": kv_bytes}
         for name, backend in (("c", CpuAttention(BLOCK, num_blocks, torch.device("cpu"))),
                               ("torch", TorchAttention(BLOCK, num_blocks, torch.device("cpu")))):
-            seconds = best_of(step_attention(backend, backend.build(batch), q, k, v, caches), args.repeats)
+            seconds = min(timings(step_attention(backend, backend.build(batch), q, k, v, caches), args.repeats))
             row[f"{name}_s"] = seconds
             print(f"{str(dtype):15s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
                   f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV")

@@ -38,15 +38,20 @@ from backends.native.model_runner import ModelRunner  # noqa: E402
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` after one untimed call."""
+def timings(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` after one untimed call."""
+    return statistics.median(timings(fn, repeats))
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:

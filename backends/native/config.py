@@ -83,9 +83,10 @@ CPUINFO = Path("/proc/cpuinfo")
 def cpu_flags() -> set[str]:
     """The instruction-set flags of this CPU (/proc/cpuinfo); empty where it cannot be read."""
     try:
-        return set(next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags")).split())
+        line = next(line for line in CPUINFO.read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return set()
+    return set(line.partition(":")[2].split())
 
 
 def cpu_has_native_bf16() -> bool:

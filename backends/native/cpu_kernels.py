@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import typer
 
+from backends.native.config import cpu_flags as _cpu_flags  # a module name tests replace
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -67,14 +69,6 @@ def _compiler() -> str | None:
         if name and (path := shutil.which(name.split()[0])):
             return path
     return None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.partition(":")[2].split())
 
 
 def _cpu_signature() -> str:

@@ -13,7 +13,6 @@ start-up through mallopt, with nothing to install. The cost: the process keeps i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -27,7 +26,7 @@ def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse (blocks up to 32 MiB from the heap, the heap never
     trimmed); False where the C library has no mallopt (not glibc) or refuses."""
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library, already loaded
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
