@@ -21,6 +21,7 @@ from backends.native.host_memory import keep_freed_memory
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
+from backends.native.row_buckets import padded_rows, warm_up_linears
 from backends.native.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,10 @@ class ModelRunner:
                                                self.dtype, self.device, self.block_size, self.num_blocks)
         self.model.use_kernels(self.kernels)
         self.packed_weights = self.model.pack_linear_weights()
+        # oneDNN compiles a kernel per row count of a packed matmul: steps are padded to a few (row_buckets.py)
+        self.pad_rows = self.packed_weights
+        if self.pad_rows and config.warmup:
+            warm_up_linears(self.model, config.max_num_batched_tokens, config.max_num_seqs)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs:
@@ -173,5 +178,12 @@ class ModelRunner:
             self.copy_blocks(batch.block_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        meta = self.kernels.attention.build(batch)
-        return self.model(self._ids(batch.token_ids), self._ids(batch.positions), self.kv_caches, meta)
+        attention = self.kernels.attention
+        meta = attention.build(batch)
+        ids, positions, logits_rows = batch.token_ids, batch.positions, len(meta.logits_indices)
+        if self.pad_rows:
+            padding = [0] * (padded_rows(len(ids)) - len(ids))
+            ids, positions = ids + padding, positions + padding
+            attention.pad(meta, len(ids), padded_rows(logits_rows))
+        logits = self.model(self._ids(ids), self._ids(positions), self.kv_caches, meta)
+        return logits if logits is None else logits[:logits_rows]

@@ -46,6 +46,19 @@ class AttentionBackend(abc.ABC):
         """Attention output [T, Hq, D] for queries ``q`` [T, Hq, D]. This step's keys/values ``k``/``v``
         [T, Hkv, D] are already in the caches [Hkv, num_blocks, block_size, D] (head-major)."""
 
+    @property
+    def scratch_block(self) -> int:
+        """One block past those the block manager hands out (the caches hold it): padding rows write there."""
+        return self.num_blocks
+
+    def pad(self, meta: StepMetadata, rows: int, logits_rows: int) -> None:
+        """Extend ``meta`` to a step padded to ``rows`` token rows, whose extra keys and values go to the
+        scratch block, and to ``logits_rows`` LM-head rows (repeats of row 0, for the caller to drop). The
+        backend's own fields still describe the real sequences only: padding rows are never attended."""
+        slots, indices = meta.slot_mapping, meta.logits_indices
+        meta.slot_mapping = torch.cat([slots, slots.new_full((rows - len(slots),), self.scratch_block * self.block_size)])
+        meta.logits_indices = torch.cat([indices, indices.new_zeros(logits_rows - len(indices))])
+
     def int64(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 

@@ -69,7 +69,7 @@ class CpuAttention(AttentionBackend):
         for start, n, ctx, table in meta.flash_chunks:
             rows = slice(start, start + n)
             out[rows] = prefill_chunk(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
-        if nd < q.shape[0] and not self.flash_prefill:
+        if len(meta.prefill_query_lens) and not self.flash_prefill:
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
                                     meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:])
         return out

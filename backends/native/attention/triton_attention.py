@@ -75,8 +75,3 @@ class TritonAttention(AttentionBackend):
         static.context_lens[:size].copy_(lens, non_blocking=True)
         slots = torch.tensor([*batch.slot_mapping, *[scratch_slot] * (size - n)], dtype=torch.int64)
         static.slot_mapping[:size].copy_(slots, non_blocking=True)
-
-    @property
-    def scratch_block(self) -> int:
-        """One block past those the block manager hands out: padding rows of graphs write there."""
-        return self.num_blocks

@@ -6,7 +6,9 @@
  * K/V read serves the whole group) and folded into a running max, sum and accumulator per head (online
  * softmax). With AVX-512 (head sizes a multiple of 32) keys come 16 at a time, read in place: their 16
  * scores land in one vector (per-key partial sums, then one transposing reduction), bf16 keys multiply in
- * pairs without widening where the CPU has AVX512-BF16, and the softmax update runs on the vector.
+ * pairs without widening where the CPU has AVX512-BF16, the softmax update runs on the vector, and each
+ * value row is loaded once for the whole group. Where the CPU has AMX tiles (and the build knows them),
+ * bf16 caches go through two tile products per 16 keys instead (attend_block_amx).
  * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of queries);
  * keys come 16 at a time, transposed once per task so that a tile's scores build up as vector FMAs, and
  * the weighted values accumulate in registers, four query rows by 16 columns at a time.
@@ -137,22 +139,52 @@ static inline __attribute__((always_inline)) __m512 scores16(const float *qf, co
     return sum_each16(part);
 }
 
+/* acc[j] = acc[j] * alpha[j] + sum over t < n of p[j][t] * v[t] for G (a constant <= 4) query heads, the
+ * value rows (d elements, a multiple of 32) read in place and widened from bf16 on the fly: each value
+ * vector is loaded once for all G heads, and the 2G accumulators are independent FMA chains. */
+static inline __attribute__((always_inline)) void fold_heads(const void *v, int64_t n, const int64_t d,
+                                                             const int64_t G, float p[][DECODE_KEYS],
+                                                             const float *alpha, float acc[][MAX_HEAD_DIM],
+                                                             const int bf16) {
+    for (int64_t c = 0; c < d; c += 32) {
+        __m512 a[4][2];
+        for (int64_t j = 0; j < G; j++) {
+            a[j][0] = _mm512_mul_ps(_mm512_loadu_ps(acc[j] + c), _mm512_set1_ps(alpha[j]));
+            a[j][1] = _mm512_mul_ps(_mm512_loadu_ps(acc[j] + c + 16), _mm512_set1_ps(alpha[j]));
+        }
+        for (int64_t t = 0; t < n; t++) {
+            __m512 x0, x1;
+            if (bf16) {
+                x0 = widen16((const uint16_t *)v + t * d + c);
+                x1 = widen16((const uint16_t *)v + t * d + c + 16);
+            } else {
+                x0 = _mm512_loadu_ps((const float *)v + t * d + c);
+                x1 = _mm512_loadu_ps((const float *)v + t * d + c + 16);
+            }
+            for (int64_t j = 0; j < G; j++) {
+                const __m512 w = _mm512_set1_ps(p[j][t]);
+                a[j][0] = _mm512_fmadd_ps(w, x0, a[j][0]);
+                a[j][1] = _mm512_fmadd_ps(w, x1, a[j][1]);
+            }
+        }
+        for (int64_t j = 0; j < G; j++) {
+            _mm512_storeu_ps(acc[j] + c, a[j][0]);
+            _mm512_storeu_ps(acc[j] + c + 16, a[j][1]);
+        }
+    }
+}
+
 /* attend_block for a cache row read in place (fp32 or bf16), 16 keys at a time, every head's scores in
  * one vector; q unscaled (qf fp32, qh the bf16 query when the cache is bf16). */
 static inline __attribute__((always_inline)) void attend_block16(
         const void *k, const void *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
         float qf[][MAX_HEAD_DIM], const uint16_t *qh, float acc[][MAX_HEAD_DIM], float *m, float *l,
         const int bf16) {
-    float p[DECODE_KEYS], vbuf[DECODE_KEYS * MAX_HEAD_DIM];
+    float p[MAX_GROUP][DECODE_KEYS], alpha[MAX_GROUP];
     const int64_t size = bf16 ? 2 : 4;
     for (int64_t t0 = 0; t0 < n; t0 += DECODE_KEYS) {
         const int64_t nt = n - t0 < DECODE_KEYS ? n - t0 : DECODE_KEYS;
-        const char *kt = (const char *)k + t0 * d * size;
-        const float *vt = (const float *)((const char *)v + t0 * d * size);
-        if (bf16) {
-            widen((const uint16_t *)vt, vbuf, nt * d);
-            vt = vbuf;
-        }
+        const char *kt = (const char *)k + t0 * d * size, *vt = (const char *)v + t0 * d * size;
         const __mmask16 valid = (__mmask16)((1u << nt) - 1);
         for (int64_t g = 0; g < group; g++) {
             __m512 sv = _mm512_mul_ps(scores16(qf[g], bf16 ? qh + g * d : NULL, kt, nt, d, bf16),
@@ -160,13 +192,144 @@ static inline __attribute__((always_inline)) void attend_block16(
             sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), sv);
             const float top = _mm512_reduce_max_ps(sv);
             const float m_new = first && t0 == 0 ? top : fmaxf(m[g], top);
-            const float alpha = first && t0 == 0 ? 0.0f : expf(m[g] - m_new);
-            _mm512_storeu_ps(p, _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+            alpha[g] = first && t0 == 0 ? 0.0f : expf(m[g] - m_new);
+            _mm512_storeu_ps(p[g], _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
             #pragma omp simd
-            for (int64_t t = 0; t < DECODE_KEYS; t++) p[t] = expf(p[t]); /* 0 past nt */
-            fold_values(p, vt, nt, d, alpha, acc[g]);
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(_mm512_loadu_ps(p));
+            for (int64_t t = 0; t < DECODE_KEYS; t++) p[g][t] = expf(p[g][t]); /* 0 past nt */
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_loadu_ps(p[g]));
             m[g] = m_new;
+        }
+        for (int64_t g = 0; g < group; g += 4) { /* constant head counts: accumulators in registers */
+            switch (group - g < 4 ? group - g : 4) {
+            case 1: fold_heads(vt, nt, d, 1, p + g, alpha + g, acc + g, bf16); break;
+            case 2: fold_heads(vt, nt, d, 2, p + g, alpha + g, acc + g, bf16); break;
+            case 3: fold_heads(vt, nt, d, 3, p + g, alpha + g, acc + g, bf16); break;
+            default: fold_heads(vt, nt, d, 4, p + g, alpha + g, acc + g, bf16);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Decode on the AMX tiles (bf16 caches, blocks a multiple of 16 keys): per 16 keys, the scores of every
+ * head of the group come from one tile product (the keys as they lie in the cache times the group's
+ * queries), and the weighted values from another (the group's probabilities, rounded to bf16 as GPU
+ * flash attention does, times the values interleaved in key pairs). The vector path spends most of its
+ * time on the reductions and FMAs these replace. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DECODE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Whether this process may use the tile registers: Linux grants them on request, once per process. */
+static int amx_permitted(void) {
+    static int permitted = -1; /* racing threads ask twice: harmless */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* The tiles and what they hold (literal numbers: the tile intrinsics paste them into register names). */
+#define T_SCORES 0
+#define T_KEYS 1
+#define T_QUERIES 2
+#define T_PROBS 3
+#define T_VALUES 4
+#define T_OUT0 5
+#define T_OUT1 6
+
+/* This thread's tile shapes for a group of `group` query heads (tile state is per thread). */
+static void amx_configure(int64_t group) {
+    struct tile_config c = {0};
+    c.palette = 1;
+    c.rows[T_SCORES] = 16, c.colsb[T_SCORES] = group * 4;  /* 16 keys x group scores, fp32 */
+    c.rows[T_KEYS] = 16, c.colsb[T_KEYS] = 64;             /* 16 keys x 32 dims, bf16 */
+    c.rows[T_QUERIES] = 16, c.colsb[T_QUERIES] = group * 4; /* 16 dim pairs x group queries, bf16 pairs */
+    c.rows[T_PROBS] = group, c.colsb[T_PROBS] = 32;        /* group x 16 probabilities, bf16 */
+    c.rows[T_VALUES] = 8, c.colsb[T_VALUES] = 64;          /* 8 key pairs x 16 dims, bf16 pairs */
+    c.rows[T_OUT0] = c.rows[T_OUT1] = group, c.colsb[T_OUT0] = c.colsb[T_OUT1] = 64; /* group x 16 dims, fp32 */
+    _tile_loadconfig(&c);
+}
+
+/* The group's bf16 queries as the B operand of q . k: row r of dims chunk c holds, per head, dims
+ * 32c + 2r and 32c + 2r + 1 (one 32-bit pair). */
+static void amx_queries(const uint16_t *qh, int64_t group, int64_t d, uint32_t qb[][16][16]) {
+    for (int64_t c = 0; c < d / 32; c++)
+        for (int64_t r = 0; r < 16; r++)
+            for (int64_t g = 0; g < group; g++) memcpy(&qb[c][r][g], qh + g * d + 32 * c + 2 * r, 4);
+}
+
+/* Fold the block's first n <= 16 keys (rows of d bf16, d a multiple of 32; the block holds 16 rows) into
+ * the running softmax state of the group's heads. */
+static inline __attribute__((always_inline)) void attend_block_amx(
+        const uint16_t *k, const uint16_t *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
+        uint32_t qb[][16][16], float acc[][MAX_HEAD_DIM], float *m, float *l) {
+    float sbuf[16][16], obuf[2][16][16];
+    uint16_t pb[16][16], vb[MAX_HEAD_DIM / 16][8][32];
+    _tile_zero(T_SCORES);
+    for (int64_t c = 0; c < d / 32; c++) {
+        _tile_loadd(T_KEYS, k + 32 * c, d * 2);
+        _tile_loadd(T_QUERIES, qb[c], 64);
+        _tile_dpbf16ps(T_SCORES, T_KEYS, T_QUERIES);
+    }
+    _tile_stored(T_SCORES, sbuf, 64);
+    /* Values in key pairs (keys past n as zeros): row r of dims chunk j interleaves keys 2r and 2r + 1. */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t r = 0; r < 8; r++) {
+        const __mmask32 even = 2 * r < n ? ~(__mmask32)0 : 0, odd = 2 * r + 1 < n ? ~(__mmask32)0 : 0;
+        for (int64_t c = 0; c < d; c += 32) {
+            const __m512i a = _mm512_maskz_loadu_epi16(even, v + 2 * r * d + c);
+            const __m512i b = _mm512_maskz_loadu_epi16(odd, v + (2 * r + 1) * d + c);
+            _mm512_storeu_si512(vb[c / 16][r], _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vb[c / 16 + 1][r], _mm512_permutex2var_epi16(a, hi, b));
+        }
+    }
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const __mmask16 valid = (__mmask16)((1u << n) - 1);
+    float alpha[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        __m512 sv = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), &sbuf[0][0], 4),
+                                  _mm512_set1_ps(scale));
+        sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), sv);
+        const float top = _mm512_reduce_max_ps(sv);
+        const float m_new = first ? top : fmaxf(m[g], top);
+        alpha[g] = first ? 0.0f : expf(m[g] - m_new);
+        float p[16];
+        _mm512_storeu_ps(p, _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+        #pragma omp simd
+        for (int64_t t = 0; t < 16; t++) p[t] = expf(p[t]); /* 0 past n */
+        const __m512 pv = _mm512_loadu_ps(p);
+        l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(pv);
+        m[g] = m_new;
+        _mm256_storeu_si256((__m256i *)pb[g], (__m256i)_mm512_cvtneps_pbh(pv));
+    }
+    _tile_loadd(T_PROBS, pb, 32);
+    for (int64_t j = 0; j < d / 16; j++) { /* two output tiles in turn: one is stored while the other fills */
+        if (j % 2 == 0) {
+            _tile_zero(T_OUT0);
+            _tile_loadd(T_VALUES, vb[j], 64);
+            _tile_dpbf16ps(T_OUT0, T_PROBS, T_VALUES);
+            _tile_stored(T_OUT0, obuf[0], 64);
+        } else {
+            _tile_zero(T_OUT1);
+            _tile_loadd(T_VALUES, vb[j], 64);
+            _tile_dpbf16ps(T_OUT1, T_PROBS, T_VALUES);
+            _tile_stored(T_OUT1, obuf[1], 64);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *a = acc[g] + 16 * j;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[g]),
+                                                _mm512_loadu_ps(obuf[j % 2][g])));
         }
     }
 }
@@ -174,7 +337,10 @@ static inline __attribute__((always_inline)) void attend_block16(
 
 /* Ask for the keys and values of cache row `row` (KV head x num_blocks + block) ahead of use. Blocks are scattered over the cache, so the
  * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
- * decode reads the whole KV cache once per step from memory and waited on it. */
+ * decode reads the whole KV cache once per step from memory and waited on it. Decode asks
+ * PREFETCH_AHEAD blocks ahead: two, three or four blocks ahead were 2-10% slower (64 x 512 keys, bf16 and
+ * fp32), as were the same requests spread over the block's arithmetic, or made for a task's first blocks. */
+#define PREFETCH_AHEAD 1
 static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t row, int64_t bytes) {
     const char *k = (const char *)k_cache + row * bytes, *v = (const char *)v_cache + row * bytes;
     for (int64_t at = 0; at < bytes; at += 64) {
@@ -199,13 +365,22 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                            int64_t block_size, int64_t head_dim, float scale, int is_bf16) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
-    const int64_t group = num_heads / num_kv_heads, d = head_dim;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    const int64_t group = num_heads / num_kv_heads, d = head_dim, size = is_bf16 ? 2 : 4;
+#if defined(DECODE_AMX)
+    const int amx = is_bf16 && d % 32 == 0 && block_size % 16 == 0 && amx_permitted();
+#endif
+    #pragma omp parallel
+    {
+#if defined(DECODE_AMX)
+    if (amx) amx_configure(group);
+#endif
+    #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
             float kbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
             const int64_t head0 = (s * num_heads + h * group) * d, q0 = s * q_stride + h * group * d;
+            const int64_t *table = block_tables + s * table_stride;
             for (int64_t g = 0; g < group; g++) {
                 for (int64_t i = 0; i < d; i++) {
                     qf[g][i] = load(q, q0 + g * d + i, is_bf16);
@@ -213,16 +388,26 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
                 l[g] = 0.0f;
             }
-            const int64_t ctx = context_lens[s], block_bytes = block_size * d * (is_bf16 ? 2 : 4);
+#if defined(DECODE_AMX)
+            uint32_t qb[MAX_HEAD_DIM / 32][16][16];
+            if (amx) amx_queries((const uint16_t *)q + q0, group, d, qb);
+#endif
+            const int64_t ctx = context_lens[s];
             for (int64_t start = 0; start < ctx; start += block_size) {
-                const int64_t block = block_tables[s * table_stride + start / block_size];
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-                const int64_t base = (h * num_blocks + block) * block_size * d;
-                if (start + block_size < ctx) /* the next block, while this one is scored */
-                    prefetch_block(k_cache, v_cache,
-                                   h * num_blocks + block_tables[s * table_stride + start / block_size + 1], block_bytes);
-                const int64_t size = is_bf16 ? 2 : 4;
+                const int64_t base = (h * num_blocks + table[start / block_size]) * block_size * d;
+                if (start + PREFETCH_AHEAD * block_size < ctx)
+                    prefetch_block(k_cache, v_cache, h * num_blocks + table[start / block_size + PREFETCH_AHEAD],
+                                   block_size * d * size);
                 const void *kb = (const char *)k_cache + base * size, *vb = (const char *)v_cache + base * size;
+#if defined(DECODE_AMX)
+                if (amx) { /* 16 keys per pair of tile products */
+                    for (int64_t t = 0; t < n; t += 16)
+                        attend_block_amx((const uint16_t *)kb + t * d, (const uint16_t *)vb + t * d, n - t < 16 ? n - t : 16,
+                                         d, group, start + t == 0, scale, qb, acc, m, l);
+                    continue;
+                }
+#endif
 #if defined(__AVX512F__)
                 if (d % 32 == 0) { /* in place, 16 keys per vector of scores */
                     const uint16_t *qh = is_bf16 ? (const uint16_t *)q + q0 : NULL;
@@ -253,6 +438,10 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
             }
         }
+    }
+#if defined(DECODE_AMX)
+    if (amx) _tile_release(); /* leave no tile state for the thread's next user to save and restore */
+#endif
     }
     return 0;
 }
