@@ -1,11 +1,12 @@
 """The first burst after start-up against the second, with the engine's warm-up on and off.
 
 For each setting a fresh ``burstgate serve`` (the embedded default, its config's ``warmup`` set) answers two
-bursts of the same shape, fresh prompts each: N completions at once, fixed output (ignore_eos). Printed: each
-burst's output tok/s and median TTFT, and first / second. With warm-up the first burst should run as fast as
-the second (issue #17); without it, the first pays for kernel builds, allocator growth and lazy imports.
+bursts of the same shape, fresh prompts each: N completions at once, prompts of varied lengths (so steps
+take many token counts), fixed output (ignore_eos). Printed: each burst's output tok/s and median TTFT,
+and first / second. With warm-up the first burst should run as fast as the second (issue #17); without it,
+the first pays for kernel builds (oneDNN's, one per matmul shape), allocator growth and lazy imports.
 
-    python benchmarks/warmup_effect.py --requests 16 --output-len 64 --save benchmarks/results/warmup_effect.json
+    python benchmarks/warmup_effect.py --requests 64 --output-len 64 --save benchmarks/results/warmup_effect.json
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 async def burst(url: str, tag: str, args) -> dict:
     async def one(client: httpx.AsyncClient, i: int) -> float:
-        body = {"model": MODEL, "prompt": f"{tag} story {i}: once upon a time in a city of {i} towers,",
+        # lengths vary (10-250 tokens), so steps take many token counts; the tag up front: no prefix reuse
+        prompt = f"{tag} story {i}:" + " once upon a time in a city of towers," * (1 + i * 37 % 24)
+        body = {"model": MODEL, "prompt": prompt,
                 "max_tokens": args.output_len, "ignore_eos": True, "stream": True}
         start = time.perf_counter()
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
