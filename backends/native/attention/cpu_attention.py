@@ -64,8 +64,8 @@ class CpuAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables,
-                                              meta.decode_context_lens, scale)
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale,
+                                   out=out[:nd])
         for start, n, ctx, table in meta.flash_chunks:
             rows = slice(start, start + n)
             out[rows] = prefill_chunk(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
@@ -93,13 +93,14 @@ def _checked(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [B, Hq, D] for one new query token per sequence (same contract as the Triton kernel).
 
     ``q`` [B, Hq, D]; caches [Hkv, num_blocks, block_size, D] (contiguous); ``block_tables`` [B, max_blocks]
-    and ``context_lens`` [B], int64.
+    and ``context_lens`` [B], int64. Written into ``out`` (contiguous) when given.
     """
-    return _run(library().paged_decode_attention, q, k_cache, v_cache, block_tables, [context_lens], scale)
+    return _run(library().paged_decode_attention, q, k_cache, v_cache, block_tables, [context_lens], scale, out)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
