@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) void attend_block16(
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* Decode on the AMX tiles (bf16 caches, blocks a multiple of 16 keys): per 16 keys, the scores of every
  * head of the group come from one tile product (the keys as they lie in the cache times the group's
  * queries), and the weighted values from another (the group's probabilities, rounded to bf16 as GPU
