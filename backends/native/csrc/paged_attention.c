@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void attend_block_amx(
         sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), sv);
         const float top = _mm512_reduce_max_ps(sv);
         const float m_new = first ? top : fmaxf(m[g], top);
-        alpha[g] = first ? 0.0f : expf(m[g] - m_new);
+        alpha[g] = first ? 0.0f : m_new == m[g] ? 1.0f : expf(m[g] - m_new); /* most blocks raise no maximum */
         float p[16];
         _mm512_storeu_ps(p, _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
         #pragma omp simd
