@@ -1,4 +1,4 @@
-"""Decode attention alone: the C paged kernel against the pure-torch path, and against a bare read of the KV.
+"""Decode attention alone: the C paged kernel against the pure-torch path.
 
 One decode step's attention over every layer of the embedded SmolLM2's layout (9 query heads, 3 KV heads,
 head size 64): ``--batch`` sequences at context ``--context``, their 16-token blocks scattered over each
