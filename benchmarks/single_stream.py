@@ -57,7 +57,8 @@ def native_bytes_per_token(url: str, context: float) -> float:
     cfg = open_checkpoint(default_model_path()).config
     table = cfg.vocab_size * cfg.hidden_size * torch.finfo(getattr(torch, engine["dtype"])).bits // 8
     kv_per_token = engine["kv_cache_bytes"] / (engine["num_blocks"] * engine["block_size"])
-    return engine["weight_bytes"] - table + kv_per_token * context  # the table is looked up, not streamed
+    # The table is looked up, not streamed; of a weight held twice (its tile copy), a step reads one copy.
+    return engine["weight_bytes"] - engine["tile_copy_bytes"] - table + kv_per_token * context
 
 
 def llamacpp_bytes_per_token(context: float) -> float:

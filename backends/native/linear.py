@@ -12,6 +12,11 @@ Decoding a few sequences reads every weight once per step, so its speed is the m
 gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row here, benchmarks/int8_matmul.py);
 more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call. A
 GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.py).
+
+On CPUs with AMX tiles, bf16 steps of up to ``TILE_ROWS`` rows read a second copy of the weight laid out as
+AMX tiles (``tile_layout``, csrc/tile_linear.c): streamed in order, it is read near the copy bandwidth, where
+oneDNN's matmul on its packed weight is not. The copy doubles the linear weights' memory, so the model keeps
+it only where it fits easily (``LlamaModel.pack_linear_weights``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from backends.native import cpu_kernels
 # Above this many rows the int8 kernel, which widens each weight once per four rows, loses to dequantising
 # the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
 INT8_KERNEL_ROWS = 32
+# Up to this many rows a bf16 matmul with a tile copy runs on csrc/tile_linear.c. Over SmolLM2's 30 layers of
+# weights (not in cache; AMX Xeon, 2 cores) it took 10.2-10.9 ms at 1-16 rows against oneDNN's 14-15, 13.3 vs
+# 16.7 at 32, 15.8 vs 17.5 at 48; from 56 rows oneDNN's blocking wins.
+TILE_ROWS = 48
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -36,6 +45,32 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # native bf16 instructions, not emulation
     return dtype == torch.float32
+
+
+def can_tile(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can have a tile copy: bf16 on a CPU with AMX tiles, shape a multiple of 16 x 32."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    lib = cpu_kernels.load()
+    return (lib is not None and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and bool(lib.tile_linear_supported()))
+
+
+def tile_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] as tile_linear.c reads it: for each 16 output rows, for each 32 columns, one AMX B tile
+    (16 column pairs x 16 outputs x 2, 1 KB); the tiles of 16 outputs lie one after the other."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def tile_matmul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout``."""
+    k, n = x.shape[-1], tiles.shape[0] * 16
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], n)
+    if cpu_kernels.library().tile_linear(x.data_ptr(), tiles.data_ptr(), out.data_ptr(), x.numel() // k, n, k):
+        raise RuntimeError(f"tile_linear refused a [{n}, {k}] weight")
+    return out
 
 
 @dataclass
@@ -62,9 +97,13 @@ class Linear(nn.Linear):
     """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
 
     packed: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None  # the weight's tile_layout, for steps of up to TILE_ROWS rows
 
-    def pack(self, keep_weight: bool = False) -> None:
-        """Repack the weight for oneDNN (``can_pack`` must hold); drop the original unless ``keep_weight``."""
+    def pack(self, keep_weight: bool = False, tiles: bool = False) -> None:
+        """Repack the weight for oneDNN (``can_pack`` must hold), and also as AMX tiles if ``tiles``
+        (``can_tile`` must hold); drop the original unless ``keep_weight``."""
+        if tiles:
+            self.tiles = tile_layout(self.weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -84,6 +123,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:  # the default CPU path first: no parameter lookups before it
+            if self.tiles is not None and x.numel() <= TILE_ROWS * x.shape[-1]:
+                y = tile_matmul(x, self.tiles)
+                return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.is_int8:
             y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)

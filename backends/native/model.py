@@ -11,8 +11,10 @@ attention backend (attention/), both chosen per model by ``attention.choose_kern
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,10 +22,16 @@ from torch import nn
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.linear import Int8Rows, Linear, can_pack
+from backends.native.linear import TILE_ROWS, Int8Rows, Linear, can_pack, can_tile
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Q8_0Tensor
+
+log = logging.getLogger(__name__)
+
+# The tile copies of the linear weights double their memory: kept only where they take at most this share of
+# the memory available when the model is packed, so they never crowd out the KV cache or a larger model.
+TILE_COPY_SHARE = 0.25
 
 
 class RMSNorm(nn.Module):
@@ -146,21 +154,37 @@ class LlamaModel(nn.Module):
                 module.backend = kernels.attention
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (oneDNN-packed copies included)."""
+        """Bytes of the weights this rank holds (oneDNN-packed and tile copies included)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return total + sum(m.packed.numel() * m.packed.element_size() for m in self.modules()
-                           if isinstance(m, Linear) and m.packed is not None)
+        return total + self.tile_copy_bytes() + sum(m.packed.numel() * m.packed.element_size()
+                                                    for m in self.modules() if isinstance(m, Linear)
+                                                    and m.packed is not None)
+
+    def tile_copy_bytes(self) -> int:
+        """Bytes of the linear weights' second copies as AMX tiles (0 where there are none)."""
+        return sum(m.tiles.numel() * m.tiles.element_size() for m in self.modules()
+                   if isinstance(m, Linear) and m.tiles is not None)
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
         """Repack every linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
-        and casting, since the packed copies replace the weights. Returns whether it packed."""
+        and casting, since the packed copies replace the weights. bf16 weights on a CPU with AMX tiles also
+        get a tile copy for small steps (linear.py) when it takes at most ``TILE_COPY_SHARE`` of the memory
+        available. Returns whether it packed."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
-        for module in self.modules():
-            if isinstance(module, Linear) and not module.is_int8:
-                module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+        linears = [m for m in self.modules() if isinstance(m, Linear) and not m.is_int8]
+        tiled = [m for m in linears if can_tile(m.weight)]
+        extra = sum(m.weight.numel() * m.weight.element_size() for m in tiled)
+        available = psutil.virtual_memory().available
+        tiles = extra <= TILE_COPY_SHARE * available
+        if tiled:
+            log.info("bf16 tile copies for steps of up to %d rows: %s (%.0f MB, %.0f MB available)", TILE_ROWS,
+                     "on" if tiles else "off, too large", extra / 1e6, available / 1e6)
+        for module in linears:
+            module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings,
+                        tiles=tiles and module in tiled)
         return True
 
     def to_int8(self) -> None:

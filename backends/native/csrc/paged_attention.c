@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #define MAX_GROUP 16
@@ -211,30 +212,13 @@ static inline __attribute__((always_inline)) void attend_block16(
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(HAVE_AMX_BF16)
 /* Decode on the AMX tiles (bf16 caches, blocks a multiple of 16 keys): per 16 keys, the scores of every
  * head of the group come from one tile product (the keys as they lie in the cache times the group's
  * queries), and the weighted values from another (the group's probabilities, rounded to bf16 as GPU
  * flash attention does, times the values interleaved in key pairs). The vector path spends most of its
  * time on the reductions and FMAs these replace. */
-#include <sys/syscall.h>
-#include <unistd.h>
 #define DECODE_AMX 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use the tile registers: Linux grants them on request, once per process. */
-static int amx_permitted(void) {
-    static int permitted = -1; /* racing threads ask twice: harmless */
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 /* The tiles and what they hold (literal numbers: the tile intrinsics paste them into register names). */
 #define T_SCORES 0

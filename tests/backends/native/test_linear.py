@@ -1,4 +1,5 @@
-"""Linear layers repacked for oneDNN compute what F.linear computes, and give the weight memory back."""
+"""Linear layers repacked for oneDNN compute what F.linear computes, and give the weight memory back; on CPUs
+with AMX tiles, bf16 layers with a tile copy answer small steps from it with the same product."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.native.linear import Linear, can_pack
+from backends.native import model as model_module
+from backends.native.config import ModelConfig
+from backends.native.linear import TILE_ROWS, Linear, can_pack, can_tile, tile_layout
+from backends.native.model import LlamaModel, dummy_tensors
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="torch built without oneDNN")
 
@@ -40,3 +44,79 @@ def test_only_cpu_fp32_and_native_bf16_are_packed():
     assert can_pack(torch.float32, torch.device("cpu"))
     assert not can_pack(torch.float16, torch.device("cpu"))
     assert not can_pack(torch.float32, torch.device("meta"))
+
+
+def _tile_layer(out_features: int, in_features: int, bias: bool = False) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    if not can_tile(layer.weight):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 24, 40, TILE_ROWS])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (960, 576), (576, 1536)])
+def test_tile_copy_gives_the_fp32_product_rounded_to_bf16(rows, bias, out_features, in_features):
+    """Full 16-row tiles, a remainder, and both together; k of 2 to 48 tiles; fp32 sums, as oneDNN's."""
+    torch.manual_seed(rows)
+    layer = _tile_layer(out_features, in_features, bias)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    layer.pack(tiles=True)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
+    """Tile (j, c) row r holds, for outputs 16j..16j+15, the weight's columns 32c + 2r and 32c + 2r + 1."""
+    weight = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
+    tiles = tile_layout(weight)
+    assert tiles.shape == (2, 2, 16, 16, 2) and tiles.is_contiguous()
+    j, c, r, n = 1, 1, 3, 5
+    assert torch.equal(tiles[j, c, r, n], weight[16 * j + n, 32 * c + 2 * r: 32 * c + 2 * r + 2])
+
+
+def test_small_steps_read_the_tile_copy_and_larger_ones_the_onednn_copy():
+    layer = _tile_layer(64, 64)
+    layer.pack(tiles=True)
+    layer.tiles.zero_()  # the copies now disagree: which one answered shows in the result
+    assert not layer(torch.ones(TILE_ROWS, 64, dtype=torch.bfloat16)).any()
+    assert layer(torch.ones(TILE_ROWS + 1, 64, dtype=torch.bfloat16)).all()
+
+
+def test_only_bf16_weights_of_whole_tiles_get_a_tile_copy():
+    _tile_layer(16, 32)  # skips where nothing can
+    assert can_tile(torch.zeros(16, 32, dtype=torch.bfloat16))
+    assert not can_tile(torch.zeros(16, 32))  # fp32: oneDNN only
+    assert not can_tile(torch.zeros(24, 32, dtype=torch.bfloat16))  # outputs not a multiple of 16
+    assert not can_tile(torch.zeros(16, 48, dtype=torch.bfloat16))  # inputs not a multiple of 32
+
+
+def _packed_bf16_model() -> LlamaModel:
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = LlamaModel(cfg, max_positions=64)
+    model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
+    model.to(torch.bfloat16)
+    if not can_tile(model.lm_head.weight):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    return model
+
+
+def test_a_model_keeps_tile_copies_where_they_fit_and_counts_them():
+    model = _packed_bf16_model()
+    before = model.weight_bytes()
+    assert model.pack_linear_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.tiles is not None for m in linears)
+    copies = sum(m.tiles.numel() * 2 for m in linears)
+    assert model.tile_copy_bytes() == copies and model.weight_bytes() >= before + copies
+
+
+def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
+    monkeypatch.setattr(model_module, "TILE_COPY_SHARE", 0.0)
+    model = _packed_bf16_model()
+    assert model.pack_linear_weights()
+    assert model.tile_copy_bytes() == 0
+    assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
