@@ -55,7 +55,7 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
     "rotary_store_kv": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
     "int8_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
     "tile_linear_supported": [],
-    "tile_linear": [ptr, ptr, ptr, i64, i64, i64],
+    "tile_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],
 }
 
 

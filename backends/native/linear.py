@@ -15,8 +15,9 @@ GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.
 
 On CPUs with AMX tiles, bf16 steps of up to ``TILE_ROWS`` rows read a second copy of the weight laid out as
 AMX tiles (``tile_layout``, csrc/tile_linear.c): streamed in order, it is read near the copy bandwidth, where
-oneDNN's matmul on its packed weight is not. The copy doubles the linear weights' memory, so the model keeps
-it only where it fits easily (``LlamaModel.pack_linear_weights``).
+oneDNN's matmul on its packed weight is not. int8 weights get the same (widened to bf16 tile by tile) for
+bf16 activations. The copy doubles the linear weights' memory, so the model keeps it only where it fits
+easily (``LlamaModel.pack_linear_weights``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def can_tile(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can have a tile copy: bf16 on a CPU with AMX tiles, shape a multiple of 16 x 32."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+    """Whether ``weight`` can have a tile copy: bf16 (or int8, for bf16 activations) on a CPU with AMX tiles,
+    its shape a multiple of 16 x 32."""
+    if weight.dtype not in (torch.bfloat16, torch.int8) or weight.device.type != "cpu" or weight.dim() != 2:
         return False
     lib = cpu_kernels.load()
     return (lib is not None and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
@@ -63,12 +65,14 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def tile_matmul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout``."""
+def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``)."""
     k, n = x.shape[-1], tiles.shape[0] * 16
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], n)
-    if cpu_kernels.library().tile_linear(x.data_ptr(), tiles.data_ptr(), out.data_ptr(), x.numel() // k, n, k):
+    if cpu_kernels.library().tile_linear(x.data_ptr(), tiles.data_ptr(), None if scales is None else scales.data_ptr(),
+                                         out.data_ptr(), x.numel() // k, n, k, tiles.dtype == torch.int8,
+                                         scales is not None and scales.dtype == torch.bfloat16):
         raise RuntimeError(f"tile_linear refused a [{n}, {k}] weight")
     return out
 
@@ -97,13 +101,10 @@ class Linear(nn.Linear):
     """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the weight's tile_layout, for steps of up to TILE_ROWS rows
+    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for small steps
 
-    def pack(self, keep_weight: bool = False, tiles: bool = False) -> None:
-        """Repack the weight for oneDNN (``can_pack`` must hold), and also as AMX tiles if ``tiles``
-        (``can_tile`` must hold); drop the original unless ``keep_weight``."""
-        if tiles:
-            self.tiles = tile_layout(self.weight)
+    def pack(self, keep_weight: bool = False) -> None:
+        """Repack the weight for oneDNN (``can_pack`` must hold); drop the original unless ``keep_weight``."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -128,7 +129,10 @@ class Linear(nn.Linear):
                 return y if self.bias is None else y + self.bias
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.is_int8:
-            y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
+            if self.tiles is not None and x.dtype == torch.bfloat16 and x.numel() <= TILE_ROWS * x.shape[-1]:
+                y = tile_matmul(x, self.tiles, self.scales)
+            else:
+                y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

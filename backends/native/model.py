@@ -22,7 +22,7 @@ from torch import nn
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.linear import TILE_ROWS, Int8Rows, Linear, can_pack, can_tile
+from backends.native.linear import TILE_ROWS, Int8Rows, Linear, can_pack, can_tile, tile_layout
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Q8_0Tensor
@@ -167,24 +167,26 @@ class LlamaModel(nn.Module):
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
-        """Repack every linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
-        and casting, since the packed copies replace the weights. bf16 weights on a CPU with AMX tiles also
-        get a tile copy for small steps (linear.py) when it takes at most ``TILE_COPY_SHARE`` of the memory
-        available. Returns whether it packed."""
+        """Repack every float linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
+        and casting, since the packed copies replace the weights. With bf16 activations on a CPU with AMX
+        tiles, linear weights (bf16 or int8) also get a tile copy for small steps (linear.py) when it takes
+        at most ``TILE_COPY_SHARE`` of the memory available. Returns whether it packed."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
-        linears = [m for m in self.modules() if isinstance(m, Linear) and not m.is_int8]
-        tiled = [m for m in linears if can_tile(m.weight)]
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        tiled = [m for m in linears if weight.dtype == torch.bfloat16 and can_tile(m.weight)]
         extra = sum(m.weight.numel() * m.weight.element_size() for m in tiled)
         available = psutil.virtual_memory().available
         tiles = extra <= TILE_COPY_SHARE * available
         if tiled:
-            log.info("bf16 tile copies for steps of up to %d rows: %s (%.0f MB, %.0f MB available)", TILE_ROWS,
-                     "on" if tiles else "off, too large", extra / 1e6, available / 1e6)
+            log.info("tile copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
+                     TILE_ROWS, "on" if tiles else "off, too large", extra / 1e6, available / 1e6)
         for module in linears:
-            module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings,
-                        tiles=tiles and module in tiled)
+            if tiles and module in tiled:
+                module.tiles = tile_layout(module.weight)
+            if not module.is_int8:
+                module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
         return True
 
     def to_int8(self) -> None:

@@ -14,7 +14,16 @@ from backends.base import SamplingParams
 from backends.native import cpu_kernels
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.engine import LLMEngine
-from backends.native.linear import INT8_KERNEL_ROWS, Int8Rows, Linear, int8_matmul
+from backends.native.linear import (
+    INT8_KERNEL_ROWS,
+    TILE_ROWS,
+    Int8Rows,
+    Linear,
+    can_tile,
+    int8_matmul,
+    tile_layout,
+    tile_matmul,
+)
 from backends.native.model import dummy_tensors
 from backends.native.model_runner import build_model
 from backends.native.weights import Q8_0Tensor
@@ -63,6 +72,23 @@ def test_int8_matmul_equals_the_dequantised_product(dtype, rows):
     got = int8_matmul(x, q.values, q.scales.to(dtype))
     assert got.dtype == dtype and got.shape == (rows, 200)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("scales_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 24, TILE_ROWS])
+def test_int8_tile_copy_equals_the_dequantised_product(rows, scales_dtype):
+    """With bf16 activations on a CPU with AMX tiles, small steps widen the int8 tiles to bf16 (exactly)."""
+    torch.manual_seed(rows)
+    q = Int8Rows.quantize(torch.randn(96, 576))
+    if not can_tile(q.values):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    x = torch.randn(rows, 576).bfloat16()
+    expected = x.float() @ q.dequantize().T
+    got = tile_matmul(x, tile_layout(q.values), q.scales.to(scales_dtype))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    scale_error = 1e-2 if scales_dtype == torch.bfloat16 else 0  # the scales themselves rounded to bf16
+    tol = 1e-2 + scale_error
     torch.testing.assert_close(got.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
 
 
@@ -116,6 +142,34 @@ def test_smollm2_in_int8_picks_fp32s_greedy_token_at_least_95_percent_of_the_tim
         assert len(ranks) == 32 * len(prompts)
         agreement = sum(r == 1 for r in ranks) / len(ranks)
         assert agreement >= 0.95, f"int8 agrees with fp32's greedy token {agreement:.1%} of the time"
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        engine.close()
+
+
+def test_smollm2_in_int8_on_the_amx_tiles_picks_bf16s_greedy_token_at_least_95_percent_of_the_time(
+        smollm2_tokenizer):
+    """bf16 activations, steps of at most 32 tokens (prompts prefilled in chunks): every matmul runs on the
+    int8 tile copies (csrc/tile_linear.c). Teacher-forced against bf16's greedy continuation (measured 748 of
+    768 = 97.4%, the same as int8's dequantising path for whole prompts: 97.5%)."""
+    if not can_tile(torch.zeros(16, 32, dtype=torch.int8)):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    prompts = parity_prompts(smollm2_tokenizer)
+    reference = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=1024, warmup=False), tokenizer=smollm2_tokenizer)
+    try:
+        continuations = [o.token_ids for o in reference.generate(
+            prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))]
+    finally:
+        reference.close()
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=1024, quantization="int8", warmup=False,
+                                    max_num_batched_tokens=TILE_ROWS - 16), tokenizer=smollm2_tokenizer)
+    try:
+        assert engine.runner.tile_copy_bytes() > 0
+        outs = engine.generate([p + c for p, c in zip(prompts, continuations)],
+                               SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+        ranks = [lp.rank for p, o in zip(prompts, outs) for lp in o.prompt_logprobs[len(p):]]
+        agreement = sum(r == 1 for r in ranks) / len(ranks)
+        assert agreement >= 0.95, f"int8 on the tiles agrees with bf16's greedy token {agreement:.1%} of the time"
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     finally:
         engine.close()

@@ -62,7 +62,8 @@ def test_tile_copy_gives_the_fp32_product_rounded_to_bf16(rows, bias, out_featur
     layer = _tile_layer(out_features, in_features, bias)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    layer.pack(tiles=True)
+    layer.tiles = tile_layout(layer.weight)
+    layer.pack()
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
@@ -79,7 +80,8 @@ def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
 
 def test_small_steps_read_the_tile_copy_and_larger_ones_the_onednn_copy():
     layer = _tile_layer(64, 64)
-    layer.pack(tiles=True)
+    layer.tiles = tile_layout(layer.weight)
+    layer.pack()
     layer.tiles.zero_()  # the copies now disagree: which one answered shows in the result
     assert not layer(torch.ones(TILE_ROWS, 64, dtype=torch.bfloat16)).any()
     assert layer(torch.ones(TILE_ROWS + 1, 64, dtype=torch.bfloat16)).all()
