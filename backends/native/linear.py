@@ -123,16 +123,13 @@ class Linear(nn.Linear):
         return self.weight.dtype == torch.int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:  # the default CPU path first: no parameter lookups before it
-            if self.tiles is not None and x.numel() <= TILE_ROWS * x.shape[-1]:
-                y = tile_matmul(x, self.tiles)
-                return y if self.bias is None else y + self.bias
+        if self.tiles is not None and x.dtype == torch.bfloat16 and x.numel() <= TILE_ROWS * x.shape[-1]:
+            y = tile_matmul(x, self.tiles, self.scales if self.is_int8 else None)
+            return y if self.bias is None else y + self.bias
+        if self.packed is not None:  # the default CPU path next: no parameter lookups before it
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.is_int8:
-            if self.tiles is not None and x.dtype == torch.bfloat16 and x.numel() <= TILE_ROWS * x.shape[-1]:
-                y = tile_matmul(x, self.tiles, self.scales)
-            else:
-                y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
+            y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

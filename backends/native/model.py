@@ -176,15 +176,15 @@ class LlamaModel(nn.Module):
             return False
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         tiled = [m for m in linears if weight.dtype == torch.bfloat16 and can_tile(m.weight)]
-        extra = sum(m.weight.numel() * m.weight.element_size() for m in tiled)
-        available = psutil.virtual_memory().available
-        tiles = extra <= TILE_COPY_SHARE * available
         if tiled:
+            extra = sum(m.weight.numel() * m.weight.element_size() for m in tiled)
+            available = psutil.virtual_memory().available
+            fits = extra <= TILE_COPY_SHARE * available
             log.info("tile copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
-                     TILE_ROWS, "on" if tiles else "off, too large", extra / 1e6, available / 1e6)
+                     TILE_ROWS, "on" if fits else "off, too large", extra / 1e6, available / 1e6)
+            for module in tiled if fits else []:
+                module.tiles = tile_layout(module.weight)  # before packing drops the weight
         for module in linears:
-            if tiles and module in tiled:
-                module.tiles = tile_layout(module.weight)
             if not module.is_int8:
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
         return True
