@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from backends.base import SamplingParams
-from backends.native.sampler import sample
+from backends.native.sampler import _inverse_cdf, sample
 from backends.native.sequence import Sequence
 
 VOCAB = 8
@@ -37,6 +37,39 @@ def test_draws_follow_the_tempered_distribution():
     n = 20000
     probs = torch.softmax(LOGITS.double() / 0.7, dim=-1)
     _assert_follows(_frequencies(n, temperature=0.7), probs, n)
+
+
+def test_draws_follow_the_distribution_across_the_blocks_of_a_large_vocabulary():
+    # SmolLM2's vocabulary (48 blocks of 1024): mass on block edges, in the last token and spread thin elsewhere
+    n, vocab = 20000, 49152
+    probs = torch.full((vocab,), 0.2 / vocab, dtype=torch.float64)
+    probs[[0, 1023, 1024, 30000, vocab - 1]] += torch.tensor([0.3, 0.2, 0.1, 0.1, 0.1], dtype=torch.float64)
+    probs /= probs.sum()
+    torch.manual_seed(0)
+    tokens = [s.token_id for s in sample(probs.log().float().repeat(n, 1), _seqs(n, temperature=1.0), frozenset())]
+    freq = torch.bincount(torch.tensor(tokens), minlength=vocab).double() / n
+    picked = [0, 1023, 1024, 30000, vocab - 1]
+    _assert_follows(freq[picked], probs[picked], n)
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[picked] = False
+    _assert_follows(freq[rest].sum(), probs[rest].sum(), n)
+
+
+def test_the_two_level_draw_picks_the_token_of_one_cumulative_sum_over_the_vocabulary():
+    # Rows with empty blocks and zero-probability tokens, a vocabulary of 1024-token blocks and an odd one
+    for vocab in (4096, 1000, 999):
+        gen = torch.Generator().manual_seed(vocab)
+        probs = torch.rand(16, vocab, generator=gen) * (torch.rand(16, vocab, generator=gen) < 0.3)
+        probs[:, : vocab // 2] = 0.0
+        u = torch.rand(16, 1, dtype=torch.float64, generator=gen)
+        u[0], u[1] = 0.0, 1.0 - 2**-53
+        cdf = probs.double().cumsum(dim=-1)
+        x = torch.minimum(u * cdf[:, -1:], torch.nextafter(cdf[:, -1:], torch.zeros(1, dtype=torch.float64)))
+        expected = torch.searchsorted(cdf, x, right=True).squeeze(1)
+        tokens, total = _inverse_cdf(probs, u)
+        assert probs.gather(1, tokens.unsqueeze(1)).gt(0).all()
+        assert torch.equal(tokens, expected), vocab
+        assert torch.allclose(total, cdf[:, -1:])
 
 
 def test_top_k_top_p_and_min_p_remove_tokens_and_renormalise_the_rest():
