@@ -58,7 +58,7 @@ def native_bytes_per_token(url: str, context: float) -> float:
     table = cfg.vocab_size * cfg.hidden_size * torch.finfo(getattr(torch, engine["dtype"])).bits // 8
     kv_per_token = engine["kv_cache_bytes"] / (engine["num_blocks"] * engine["block_size"])
     # The table is looked up, not streamed; of a weight held twice (its tile copy), a step reads one copy.
-    return engine["weight_bytes"] - engine["tile_copy_bytes"] - table + kv_per_token * context
+    return engine["weight_bytes"] - engine["small_step_copy_bytes"] - table + kv_per_token * context
 
 
 def llamacpp_bytes_per_token(context: float) -> float:

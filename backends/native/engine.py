@@ -258,7 +258,7 @@ class LLMEngine:
                     self.model_config, self.blocks.block_size, runner.dtype, self.config.tensor_parallel_size),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
-                "tile_copy_bytes": runner.tile_copy_bytes(),  # within weight_bytes: a second copy (linear.py)
+                "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
                 "cuda_graphs": runner.graphs is not None}
 
     def stats(self) -> EngineStats:

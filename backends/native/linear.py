@@ -16,8 +16,9 @@ GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.
 On CPUs with AMX tiles, bf16 steps of up to ``TILE_ROWS`` rows read a second copy of the weight laid out as
 AMX tiles (``tile_layout``, csrc/tile_linear.c): streamed in order, it is read near the copy bandwidth, where
 oneDNN's matmul on its packed weight is not. int8 weights get the same (widened to bf16 tile by tile) for
-bf16 activations. The copy doubles the linear weights' memory, so the model keeps it only where it fits
-easily (``LlamaModel.pack_linear_weights``).
+bf16 activations. fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy
+laid out as strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). Either copy doubles the linear
+weights' memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ INT8_KERNEL_ROWS = 32
 # weights (not in cache; AMX Xeon, 2 cores) it took 10.2-10.9 ms at 1-16 rows against oneDNN's 14-15, 13.3 vs
 # 16.7 at 32, 15.8 vs 17.5 at 48; from 56 rows oneDNN's blocking wins.
 TILE_ROWS = 48
+# Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c. Over SmolLM2's 30 layers
+# of weights (not in cache; AMX Xeon, 2 cores) against oneDNN: 19.7 vs 24.4 ms at 1 row, 28.5 vs 37.1 at 16,
+# 40.2 vs 46.7 at 32, 63.3 vs 77.4 at 64, 81 vs 94 at 96, 109 vs 115 at 128; level at 256, behind from 512.
+STRIP_ROWS = 128
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -77,6 +82,31 @@ def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | Non
     return out
 
 
+def can_strip(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can have a strip copy: fp32 on a CPU with AVX-512, its outputs a multiple of 32."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 32:
+        return False
+    lib = cpu_kernels.load()
+    return lib is not None and bool(lib.strip_linear_supported())
+
+
+def strip_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] as strip_linear.c reads it: for each 32 output rows, their k columns one after the other
+    (32 floats per column), the strips one after the other: [n / 32, k, 32]."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 32, 32, k).transpose(1, 2).contiguous()
+
+
+def strip_matmul(x: torch.Tensor, strips: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for fp32 x [..., k], from the weight's ``strip_layout``."""
+    k, n = x.shape[-1], strips.shape[0] * 32
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], n)
+    if cpu_kernels.library().strip_linear(x.data_ptr(), strips.data_ptr(), out.data_ptr(), x.numel() // k, n, k):
+        raise RuntimeError(f"strip_linear refused a [{n}, {k}] weight")
+    return out
+
+
 @dataclass
 class Int8Rows:
     """A matrix as int8 ``values`` [rows, cols] and one fp32 ``scales`` entry per row: row i is
@@ -101,7 +131,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for small steps
+    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for small bf16 steps
+    strips: torch.Tensor | None = None  # the weight's strip_layout (set before packing), for small fp32 steps
 
     def pack(self, keep_weight: bool = False) -> None:
         """Repack the weight for oneDNN (``can_pack`` must hold); drop the original unless ``keep_weight``."""
@@ -125,6 +156,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None and x.dtype == torch.bfloat16 and x.numel() <= TILE_ROWS * x.shape[-1]:
             y = tile_matmul(x, self.tiles, self.scales if self.is_int8 else None)
+            return y if self.bias is None else y + self.bias
+        if self.strips is not None and x.dtype == torch.float32 and x.numel() <= STRIP_ROWS * x.shape[-1]:
+            y = strip_matmul(x, self.strips)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:  # the default CPU path next: no parameter lookups before it
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

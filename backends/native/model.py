@@ -22,16 +22,26 @@ from torch import nn
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.linear import TILE_ROWS, Int8Rows, Linear, can_pack, can_tile, tile_layout
+from backends.native.linear import (
+    STRIP_ROWS,
+    TILE_ROWS,
+    Int8Rows,
+    Linear,
+    can_pack,
+    can_strip,
+    can_tile,
+    strip_layout,
+    tile_layout,
+)
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Q8_0Tensor
 
 log = logging.getLogger(__name__)
 
-# The tile copies of the linear weights double their memory: kept only where they take at most this share of
+# The small-step copies of the linear weights (tiles, strips) double their memory: kept only where they take at most this share of
 # the memory available when the model is packed, so they never crowd out the KV cache or a larger model.
-TILE_COPY_SHARE = 0.25
+SMALL_STEP_COPY_SHARE = 0.25
 
 
 class RMSNorm(nn.Module):
@@ -154,36 +164,41 @@ class LlamaModel(nn.Module):
                 module.backend = kernels.attention
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (oneDNN-packed and tile copies included)."""
+        """Bytes of the weights this rank holds (oneDNN-packed and small-step copies included)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return total + self.tile_copy_bytes() + sum(m.packed.numel() * m.packed.element_size()
-                                                    for m in self.modules() if isinstance(m, Linear)
-                                                    and m.packed is not None)
+        return total + self.small_step_copy_bytes() + sum(m.packed.numel() * m.packed.element_size()
+                                                          for m in self.modules() if isinstance(m, Linear)
+                                                          and m.packed is not None)
 
-    def tile_copy_bytes(self) -> int:
-        """Bytes of the linear weights' second copies as AMX tiles (0 where there are none)."""
-        return sum(m.tiles.numel() * m.tiles.element_size() for m in self.modules()
-                   if isinstance(m, Linear) and m.tiles is not None)
+    def small_step_copy_bytes(self) -> int:
+        """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none)."""
+        return sum(copy.numel() * copy.element_size() for m in self.modules() if isinstance(m, Linear)
+                   for copy in (m.tiles, m.strips) if copy is not None)
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
         """Repack every float linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
-        and casting, since the packed copies replace the weights. With bf16 activations on a CPU with AMX
-        tiles, linear weights (bf16 or int8) also get a tile copy for small steps (linear.py) when it takes
-        at most ``TILE_COPY_SHARE`` of the memory available. Returns whether it packed."""
+        and casting, since the packed copies replace the weights. Linear weights also get a second copy for
+        small steps (linear.py) where a kernel for it runs here: AMX tiles for bf16 activations (bf16 or int8
+        weights), AVX-512 strips for fp32; kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory
+        available. Returns whether it packed."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        tiled = [m for m in linears if weight.dtype == torch.bfloat16 and can_tile(m.weight)]
-        if tiled:
-            extra = sum(m.weight.numel() * m.weight.element_size() for m in tiled)
+        if weight.dtype == torch.bfloat16:
+            kind, rows, attr, can_copy, layout = "AMX tile", TILE_ROWS, "tiles", can_tile, tile_layout
+        else:
+            kind, rows, attr, can_copy, layout = "fp32 strip", STRIP_ROWS, "strips", can_strip, strip_layout
+        copied = [m for m in linears if can_copy(m.weight)]
+        if copied:
+            extra = sum(m.weight.numel() * m.weight.element_size() for m in copied)
             available = psutil.virtual_memory().available
-            fits = extra <= TILE_COPY_SHARE * available
-            log.info("tile copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
-                     TILE_ROWS, "on" if fits else "off, too large", extra / 1e6, available / 1e6)
-            for module in tiled if fits else []:
-                module.tiles = tile_layout(module.weight)  # before packing drops the weight
+            fits = extra <= SMALL_STEP_COPY_SHARE * available
+            log.info("%s copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
+                     kind, rows, "on" if fits else "off, too large", extra / 1e6, available / 1e6)
+            for module in copied if fits else []:
+                setattr(module, attr, layout(module.weight))  # before packing drops the weight
         for module in linears:
             if not module.is_int8:
                 module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)

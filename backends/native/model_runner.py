@@ -155,9 +155,9 @@ class ModelRunner:
         """Bytes of weights this rank holds."""
         return self.model.weight_bytes()
 
-    def tile_copy_bytes(self) -> int:
-        """Bytes of this rank's tile copies of linear weights (within ``weight_bytes``)."""
-        return self.model.tile_copy_bytes()
+    def small_step_copy_bytes(self) -> int:
+        """Bytes of this rank's small-step copies of linear weights, tiles or strips (within ``weight_bytes``)."""
+        return self.model.small_step_copy_bytes()
 
     def close(self) -> None:
         """Nothing to release beyond memory (the tensor-parallel runner stops its workers here)."""

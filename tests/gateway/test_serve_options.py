@@ -49,7 +49,7 @@ def test_dtype_device_quantization_and_name_options_reach_the_running_engine():
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
         # int8 linear layers: SmolLM2's 135M parameters in under 1.5 bytes each (bf16 alone: 2), not counting
         # the second copy as AMX tiles that CPUs with them keep (linear.py)
-        held_once = engine["weight_bytes"] - engine["tile_copy_bytes"]
+        held_once = engine["weight_bytes"] - engine["small_step_copy_bytes"]
         assert engine["quantization"] == "int8" and held_once < 1.5 * 135e6
         assert engine["tensor_parallel_size"] == 1 and engine["warmup"] and engine["num_threads"] >= 1
         reply = httpx.post(f"{url}/v1/completions", json={"model": "smol-bf16", "prompt": "Hi", "max_tokens": 2},

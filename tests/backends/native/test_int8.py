@@ -164,7 +164,7 @@ def test_smollm2_in_int8_on_the_amx_tiles_picks_bf16s_greedy_token_at_least_95_p
     engine = LLMEngine(EngineConfig(dtype="bfloat16", max_model_len=1024, quantization="int8", warmup=False,
                                     max_num_batched_tokens=TILE_ROWS - 16), tokenizer=smollm2_tokenizer)
     try:
-        assert engine.runner.tile_copy_bytes() > 0
+        assert engine.runner.small_step_copy_bytes() > 0
         outs = engine.generate([p + c for p, c in zip(prompts, continuations)],
                                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
         ranks = [lp.rank for p, o in zip(prompts, outs) for lp in o.prompt_logprobs[len(p):]]

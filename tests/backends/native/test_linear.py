@@ -1,5 +1,6 @@
 """Linear layers repacked for oneDNN compute what F.linear computes, and give the weight memory back; on CPUs
-with AMX tiles, bf16 layers with a tile copy answer small steps from it with the same product."""
+with AMX tiles, bf16 layers with a tile copy answer small steps from it with the same product, and on CPUs
+with AVX-512 fp32 layers with a strip copy do."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import torch.nn.functional as F
 
 from backends.native import model as model_module
 from backends.native.config import ModelConfig
-from backends.native.linear import TILE_ROWS, Linear, can_pack, can_tile, tile_layout
+from backends.native.linear import (
+    STRIP_ROWS,
+    TILE_ROWS,
+    Linear,
+    can_pack,
+    can_strip,
+    can_tile,
+    strip_layout,
+    tile_layout,
+)
 from backends.native.model import LlamaModel, dummy_tensors
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="torch built without oneDNN")
@@ -95,6 +105,53 @@ def test_only_bf16_weights_of_whole_tiles_get_a_tile_copy():
     assert not can_tile(torch.zeros(16, 48, dtype=torch.bfloat16))  # inputs not a multiple of 32
 
 
+def _strip_layer(out_features: int, in_features: int, bias: bool = False) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias)
+    if not can_strip(layer.weight):
+        pytest.skip("no AVX-512 on this CPU (or no C kernels)")
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40, STRIP_ROWS])
+@pytest.mark.parametrize("out_features, in_features", [(32, 8), (960, 576), (576, 1536), (64, 200)])
+def test_strip_copy_gives_the_fp32_product(rows, bias, out_features, in_features):
+    """Whole 12-row blocks, a remainder, and both; k within one 128-column pass, several, and a part pass."""
+    torch.manual_seed(rows)
+    layer = _strip_layer(out_features, in_features, bias)
+    x = torch.randn(rows, in_features)
+    expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    layer.strips = strip_layout(layer.weight)
+    layer.pack()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_strip_layout_lays_each_strip_of_32_outputs_column_by_column():
+    """Strip j at column c holds the weight's outputs 32j..32j+31 at input c."""
+    weight = torch.arange(64 * 10, dtype=torch.float32).reshape(64, 10)
+    strips = strip_layout(weight)
+    assert strips.shape == (2, 10, 32) and strips.is_contiguous()
+    assert torch.equal(strips[1, 7], weight[32:64, 7])
+
+
+def test_small_fp32_steps_read_the_strip_copy_and_larger_ones_the_onednn_copy():
+    layer = _strip_layer(64, 64)
+    layer.strips = strip_layout(layer.weight)
+    layer.pack()
+    layer.strips.zero_()  # the copies now disagree: which one answered shows in the result
+    assert not layer(torch.ones(STRIP_ROWS, 64)).any()
+    assert layer(torch.ones(STRIP_ROWS + 1, 64)).all()
+
+
+def test_only_fp32_weights_of_whole_strips_get_a_strip_copy():
+    _strip_layer(32, 8)  # skips where nothing can
+    assert can_strip(torch.zeros(32, 7))
+    assert not can_strip(torch.zeros(32, 32, dtype=torch.bfloat16))  # bf16: tiles or oneDNN
+    assert not can_strip(torch.zeros(48, 32))  # outputs not a multiple of 32
+
+
 def _packed_bf16_model() -> LlamaModel:
     cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -113,12 +170,28 @@ def test_a_model_keeps_tile_copies_where_they_fit_and_counts_them():
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.tiles is not None for m in linears)
     copies = sum(m.tiles.numel() * 2 for m in linears)
-    assert model.tile_copy_bytes() == copies and model.weight_bytes() >= before + copies
+    assert model.small_step_copy_bytes() == copies and model.weight_bytes() >= before + copies
+
+
+def test_an_fp32_model_keeps_strip_copies_and_counts_them():
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = LlamaModel(cfg, max_positions=64)
+    model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
+    if not can_strip(model.lm_head.weight):
+        pytest.skip("no AVX-512 on this CPU (or no C kernels)")
+    x = torch.randn(3, 64)
+    expected = model.layers[0].mlp.gate_up_proj(x)
+    assert model.pack_linear_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.strips is not None and m.tiles is None for m in linears)
+    assert model.small_step_copy_bytes() == sum(m.strips.numel() * 4 for m in linears)
+    torch.testing.assert_close(model.layers[0].mlp.gate_up_proj(x), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
-    monkeypatch.setattr(model_module, "TILE_COPY_SHARE", 0.0)
+    monkeypatch.setattr(model_module, "SMALL_STEP_COPY_SHARE", 0.0)
     model = _packed_bf16_model()
     assert model.pack_linear_weights()
-    assert model.tile_copy_bytes() == 0
+    assert model.small_step_copy_bytes() == 0
     assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
