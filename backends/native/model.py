@@ -39,8 +39,9 @@ from backends.native.weights import Q8_0Tensor
 
 log = logging.getLogger(__name__)
 
-# The small-step copies of the linear weights (tiles, strips) double their memory: kept only where they take at most this share of
-# the memory available when the model is packed, so they never crowd out the KV cache or a larger model.
+# The small-step copies of the linear weights (tiles, strips) double their memory: kept only where they take at
+# most this share of the memory available when the model is packed, so they never crowd out the KV cache or a
+# larger model.
 SMALL_STEP_COPY_SHARE = 0.25
 
 

@@ -151,7 +151,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, to
     distribution holds ``u`` [B, 1] (uniform in [0, 1)) times the row's total; and that total [B, 1].
 
     One uniform per row, in two levels: the row's blocks of up to 1024 tokens by their sums, then the token
-    within the chosen block, both cumulated in float64 so that tail tokens keep their weight. A cumulative sum
+    within the chosen block; both cumulative sums in float64, so that tail tokens keep their weight. A cumulative sum
     over the whole vocabulary in float64 took 3-12 ms per 64-row step here, this 0.4 ms (the exponential trick
     needs a random number per vocabulary entry: 48 ms)."""
     rows, vocab = probs.shape
