@@ -94,11 +94,6 @@ def cpu_has_native_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons)."""
-    return "amx_bf16" in cpu_flags()
-
-
 @dataclass
 class ModelConfig:
     """Llama-family decoder shape. ``rope_scaling`` keeps HF's dict form (``rope_type`` + its fields)."""

@@ -19,7 +19,7 @@ import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata
 from backends.native.attention.torch_attention import TorchAttention
-from backends.native.config import ModelConfig, cpu_has_amx_bf16
+from backends.native.config import ModelConfig
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
 
 __all__ = ["AttentionBackend", "KERNEL_CHOICES", "Kernels", "StepMetadata", "choose_kernels"]
@@ -42,7 +42,7 @@ class Kernels:
 def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                    block_size: int, num_blocks: int) -> Kernels:
     """``auto``: on CUDA, the Triton kernels for attention and layer ops; on CPU, the C kernels, where they
-    build here (in bf16 with AMX, prefill on torch's flash kernel); either where they take the layout (head size,
+    build here (in bf16 with AMX, prefill on the tiles); either where they take the layout (head size,
     heads per KV head). ``torch``: pure torch."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernels {kernels!r}; choose one of {KERNEL_CHOICES}")
@@ -61,6 +61,5 @@ def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device
 
     layer_ops = CpuLayerOps if CpuLayerOps.available(dtype, device) else TorchLayerOps
     if cpu_attention.supports(dtype, config.num_heads, config.num_kv_heads, config.head_dim, block_size):
-        flash_prefill = dtype == torch.bfloat16 and cpu_has_amx_bf16()
-        return Kernels(cpu_attention.CpuAttention(block_size, num_blocks, device, flash_prefill), layer_ops)
+        return Kernels(cpu_attention.CpuAttention(block_size, num_blocks, device), layer_ops)
     return Kernels(torch_attention, layer_ops)

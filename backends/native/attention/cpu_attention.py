@@ -1,4 +1,5 @@
-"""Paged attention for CPUs: the C kernels of csrc/paged_attention.c (built by cpu_kernels.py).
+"""Paged attention for CPUs: the C kernels of csrc/paged_attention.c and csrc/prefill_attention_amx.c (built by
+cpu_kernels.py).
 
 Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguous copy before two
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
@@ -6,9 +7,10 @@ matmuls; on CPU that copy dominated decode time. The kernel reads the paged cach
 without a cached prefix, scoring a tile of query rows against transposed keys and accumulating values in
 registers: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys in
 fp32 on an AMD EPYC (21.1 vs 26.3 ms per layer on 4 x 512 tokens, benchmarks/results/step_profile.json).
-In bf16 on a CPU with AMX tiles, torch's flash-attention kernel multiplies on the tiles (oneDNN brgemm)
-while this kernel widens to fp32 vector FMAs: there prefill chunks go to SDPA (``flash_prefill``), 3x
-faster per layer (4.1 vs 12.4 ms on a Xeon with AMX, benchmarks/results/step_profile_bf16_amx.json).
+In bf16 on a CPU with AMX tiles, prefill chunks go to a flash-attention kernel on the tiles instead
+(``amx_prefill``; csrc/prefill_attention_amx.c): 2.5 ms per layer on 4 x 512 tokens of SmolLM2's layout
+on a Xeon, where torch's flash kernel (oneDNN brgemm on the tiles, which the engine used before) took 3.3
+and the vector kernel 8.1; whole bf16 prefill steps of 2048 tokens ran ~10% faster than on torch's.
 Without a C compiler the engine keeps the pure-torch path (torch_attention.py).
 """
 
@@ -19,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
-from backends.native.attention.torch_attention import prefill_chunk
 from backends.native.batch import Batch
 from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
 
@@ -35,30 +36,26 @@ class CpuMetadata(StepMetadata):
     prefill_query_starts: torch.Tensor
     prefill_query_lens: torch.Tensor
     prefill_context_lens: torch.Tensor
-    # with flash_prefill: each prefill chunk as (first row, rows, context length, block table)
-    flash_chunks: list[tuple[int, int, int, torch.Tensor]]
 
 
 class CpuAttention(AttentionBackend):
-    """Decodes on the C kernel, reading the cache in place; prefill chunks on the C kernel too, or with
-    ``flash_prefill`` on torch's flash-attention kernel (bf16 on CPUs with AMX, see the module docstring)."""
+    """Decodes and prefill chunks on the C kernels, reading the cache in place; bf16 prefill chunks on the AMX
+    tiles where the CPU has them, unless ``amx_prefill`` is off (see the module docstring)."""
 
-    def __init__(self, block_size: int, num_blocks: int, device: torch.device, flash_prefill: bool = False) -> None:
+    def __init__(self, block_size: int, num_blocks: int, device: torch.device, amx_prefill: bool = True) -> None:
         super().__init__(block_size, num_blocks, device)
-        self.flash_prefill = flash_prefill
-        self.name = "C paged (prefill: torch flash)" if flash_prefill else "C paged"
+        self.amx_prefill = amx_prefill
+        self.name = "C paged"
 
     def build(self, batch: Batch) -> CpuMetadata:
         starts, slots, logits_indices = self.common(batch)
         nd = batch.num_decodes
         tables = pad_tables(batch.block_tables[:nd]), pad_tables(batch.block_tables[nd:])
-        chunks = [(starts[i], batch.query_lens[i], batch.context_lens[i], self.int64(batch.block_tables[i]))
-                  for i in range(nd, len(starts))] if self.flash_prefill else []
         return CpuMetadata(
             slots, logits_indices, nd,
             self.int64(tables[0]), self.int64(batch.context_lens[:nd]),
             self.int64(tables[1]), self.int64([s - nd for s in starts[nd:]]),
-            self.int64(batch.query_lens[nd:]), self.int64(batch.context_lens[nd:]), chunks)
+            self.int64(batch.query_lens[nd:]), self.int64(batch.context_lens[nd:]))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale):
         out = torch.empty_like(q)
@@ -66,12 +63,10 @@ class CpuAttention(AttentionBackend):
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale,
                                    out=out[:nd])
-        for start, n, ctx, table in meta.flash_chunks:
-            rows = slice(start, start + n)
-            out[rows] = prefill_chunk(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
-        if len(meta.prefill_query_lens) and not self.flash_prefill:
+        if len(meta.prefill_query_lens):
             paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_tables, meta.prefill_query_starts,
-                                    meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:])
+                                    meta.prefill_query_lens, meta.prefill_context_lens, scale, out=out[nd:],
+                                    amx=self.amx_prefill)
         return out
 
 
@@ -105,16 +100,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_starts: torch.Tensor, query_lens: torch.Tensor,
-                            context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None
-                            ) -> torch.Tensor:
+                            context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                            amx: bool = True) -> torch.Tensor:
     """Causal attention output [T, Hq, D] for prefill chunks whose keys are in the paged cache already.
 
     Sequence ``i`` owns rows ``query_starts[i]:query_starts[i] + query_lens[i]`` of ``q`` [T, Hq, D]; they
     are the last of its ``context_lens[i]`` positions (a cached prefix precedes them). ``block_tables``
     [n, max_blocks]; the per-sequence tensors [n], int64. Written into ``out`` (contiguous) when given.
+    With ``amx``, bf16 runs on the AMX tiles where this CPU and the layout allow.
     """
-    return _run(library().paged_prefill_attention, q, k_cache, v_cache, block_tables,
-                [query_starts, query_lens, context_lens], scale, out)
+    lib, (hkv, _, block_size, d) = library(), k_cache.shape
+    kernel = lib.paged_prefill_attention
+    if amx and q.dtype == torch.bfloat16 and lib.prefill_attention_amx_supported(q.shape[1], hkv, d, block_size):
+        kernel = lib.paged_prefill_attention_amx
+    return _run(kernel, q, k_cache, v_cache, block_tables, [query_starts, query_lens, context_lens], scale, out)
 
 
 def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

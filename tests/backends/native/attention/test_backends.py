@@ -14,7 +14,6 @@ import torch
 if not torch.cuda.is_available():  # before the Triton kernel is decorated: run it on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from backends.native import config as engine_config  # noqa: E402
 from backends.native.attention import Kernels, choose_kernels  # noqa: E402
 from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
 from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
@@ -37,15 +36,15 @@ def triton_backend(*args):
     return TritonAttention(*args)
 
 
-def c_with_flash_prefill(*args):
-    return CpuAttention(*args, flash_prefill=True)
+def c_with_vector_prefill(*args):
+    return CpuAttention(*args, amx_prefill=False)
 
 
-CPU_ONLY = (CpuAttention, c_with_flash_prefill)
+CPU_ONLY = (CpuAttention, c_with_vector_prefill)
 BACKENDS = {
     "torch": TorchAttention,
     "c-cpu": CpuAttention,
-    "c-cpu-flash-prefill": c_with_flash_prefill,
+    "c-cpu-vector-prefill": c_with_vector_prefill,
     "triton": pytest.param(triton_backend, marks=pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")),
 }
 
@@ -116,15 +115,16 @@ def test_the_c_kernels_take_any_block_size_and_head_size(block_size, hq, hkv, d)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("make_backend", [CpuAttention, c_with_flash_prefill, pytest.param(
+@pytest.mark.parametrize("make_backend", [CpuAttention, c_with_vector_prefill, pytest.param(
     triton_backend, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton runs on a GPU"))],
-    ids=["c-cpu", "c-cpu-flash-prefill", "triton"])
+    ids=["c-cpu", "c-cpu-vector-prefill", "triton"])
 @pytest.mark.parametrize("hq, hkv, d", LAYOUTS)
 @pytest.mark.parametrize("block_size", [16, 24, 64])
 def test_bf16_caches_give_bf16_answers_within_rounding(make_backend, hq, hkv, d, block_size):
     # On a CPU with AMX tiles the C decode kernel multiplies bf16 caches on the tiles where blocks hold a
     # multiple of 16 keys (16, 64: groups of 1 to 5 query heads, partial last 16 keys) and on vectors
-    # otherwise (24); elsewhere on vectors throughout
+    # otherwise (24), and prefill chunks run on the tiles (rows of 1 to 16 query tokens per tile of 16, with
+    # and without cached prefixes, any block size) unless the vector kernel is asked for; elsewhere on vectors
     device = DEVICE if make_backend not in CPU_ONLY else torch.device("cpu")
     (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.bfloat16, device, block_size)
     backend = make_backend(block_size, k_cache.shape[1] - 1, device)
@@ -163,17 +163,3 @@ def test_kernels_are_chosen_by_config_and_device():
     assert _chosen(choose_kernels("torch", cfg, torch.float32, cpu, 16, 8)) == ("TorchAttention", TorchLayerOps)
     with pytest.raises(ValueError, match="unknown kernels"):
         choose_kernels("flash", cfg, torch.float32, cpu, 16, 8)
-
-
-@pytest.mark.parametrize("flags, dtype, flash", [
-    ("avx512f amx_tile amx_bf16", torch.bfloat16, True),  # AMX: torch's flash kernel multiplies on the tiles
-    ("avx512f amx_tile amx_bf16", torch.float32, False),  # fp32 never reaches the tiles
-    ("avx512f avx512_bf16", torch.bfloat16, False),  # AVX512-BF16 without AMX: the C kernel
-    ("avx2 fma", torch.float32, False),
-])
-def test_bf16_prefill_goes_to_torchs_flash_kernel_only_on_cpus_with_amx(tmp_path, monkeypatch, flags, dtype, flash):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    monkeypatch.setattr(engine_config, "CPUINFO", cpuinfo)
-    attention = choose_kernels("auto", _tiny_config(), dtype, torch.device("cpu"), 16, 8).attention
-    assert isinstance(attention, CpuAttention) and attention.flash_prefill is flash

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.native import cpu_kernels
 from backends.native.attention import cpu_attention
 
 
@@ -19,3 +20,22 @@ def test_c_kernels_refuse_layouts_beyond_their_buffers():
     tables, lens = torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 5])
     with pytest.raises(ValueError, match="unsupported layout"):
         cpu_attention.paged_decode_attention(torch.randn(2, 32, 32), k_cache, v_cache, tables, lens, 0.1)
+
+
+def test_bf16_prefill_on_the_amx_tiles_answers_as_the_vector_kernel_does():
+    lib = cpu_kernels.load()
+    if lib is None or not lib.prefill_attention_amx_supported(9, 3, 64, 16):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    assert not lib.prefill_attention_amx_supported(10, 2, 40, 16)  # head size not a multiple of 32
+    assert not lib.prefill_attention_amx_supported(17, 1, 64, 16)  # more query heads per KV head than a tile's rows
+    torch.manual_seed(0)
+    k_cache, v_cache = (torch.randn(3, 12, 16, 64).bfloat16() for _ in range(2))
+    tables = torch.randperm(12)[:10].view(2, 5)
+    # a 37-token prompt (tiles of 5 tokens x 3 heads, a partial last one) and 3 tokens after a 60-token prefix
+    starts, lens, contexts = torch.tensor([0, 37]), torch.tensor([37, 3]), torch.tensor([37, 63])
+    q = torch.randn(40, 9, 64).bfloat16()
+    args = (q, k_cache, v_cache, tables, [starts, lens, contexts], 0.125)
+    tiles = cpu_attention._run(lib.paged_prefill_attention_amx, *args)  # raises if the kernel refused
+    vectors = cpu_attention._run(lib.paged_prefill_attention, *args)
+    torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
+    assert lib.paged_prefill_attention_amx(*([0] * 16), 0.1, 0) == 1  # fp32 (is_bf16 0): not its to run
