@@ -118,8 +118,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
          per_sequence: list[torch.Tensor], scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Call a kernel of csrc/paged_attention.c: both take q, the caches and block tables, then their
-    per-sequence int64 arrays, then the output, the sequence count and the layout."""
+    """Call a paged-attention kernel (csrc/paged_attention.c, csrc/prefill_attention_amx.c): all take q, the
+    caches and block tables, then their per-sequence int64 arrays, then the output, the sequence count and
+    the layout."""
     q, tables = _rows(q), block_tables.contiguous()
     hkv, num_blocks, block_size, d = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
