@@ -1,4 +1,6 @@
-"""Freed tensor memory stays in the process, so a CPU step's activations do not fault in fresh pages.
+"""The host's memory as the engine sees it: what it may still take (``available_memory``: the machine's
+available memory, capped by the container's cgroup limit), and freed tensor memory that stays in the
+process (``keep_freed_memory``), so a CPU step's activations do not fault in fresh pages.
 
 glibc serves allocations above its mmap threshold (128 KiB at start, raised by frees up to 32 MiB) with
 mmap and unmaps them on free, and gives the top of the heap back to the kernel once more than twice that
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -34,3 +39,23 @@ def keep_freed_memory() -> bool:
     if not kept:
         log.info("the C library does not take mallopt: freed step memory may be faulted in again")
     return kept
+
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory(root: Path | None = None) -> int:
+    """Bytes this process may still allocate: the machine's available memory, or less where its cgroup's limit
+    (a container's; v2 ``memory.max`` less ``memory.current``, else v1's ``memory.limit_in_bytes`` less
+    ``memory.usage_in_bytes``) leaves less. A pod limited to 8 GiB on a 256 GiB node sees the node's memory
+    in ``psutil``, and would be killed for taking it."""
+    root = root or CGROUP
+    available = psutil.virtual_memory().available
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            left = int((root / limit).read_text()) - int((root / usage).read_text())
+        except (OSError, ValueError):  # not this cgroup version, or "max": no limit
+            continue
+        return max(min(available, left), 0)
+    return available

@@ -14,13 +14,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
-import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
+from backends.native.host_memory import available_memory
 from backends.native.layer_ops import TorchLayerOps
 from backends.native.linear import (
     STRIP_ROWS,
@@ -182,7 +182,7 @@ class LlamaModel(nn.Module):
         and casting, since the packed copies replace the weights. Linear weights also get a second copy for
         small steps (linear.py) where a kernel for it runs here: AMX tiles for bf16 activations (bf16 or int8
         weights), AVX-512 strips for fp32; kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory
-        available. Returns whether it packed."""
+        available (the container's, where it has a limit). Returns whether it packed."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
@@ -194,7 +194,7 @@ class LlamaModel(nn.Module):
         copied = [m for m in linears if can_copy(m.weight)]
         if copied:
             extra = sum(m.weight.numel() * m.weight.element_size() for m in copied)
-            available = psutil.virtual_memory().available
+            available = available_memory()
             fits = extra <= SMALL_STEP_COPY_SHARE * available
             log.info("%s copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
                      kind, rows, "on" if fits else "off, too large", extra / 1e6, available / 1e6)

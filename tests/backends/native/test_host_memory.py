@@ -1,21 +1,42 @@
 """On CPU the engine keeps freed memory in the process: once warm, a step's activations reuse memory the
-process already has instead of faulting in (and zeroing) fresh pages, step after step."""
+process already has instead of faulting in (and zeroing) fresh pages, step after step. What it may still
+take is the machine's available memory, capped by its container's cgroup limit (fake cgroup trees here)."""
 
 from __future__ import annotations
 
 import platform
 import resource
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
 from backends.native.config import EngineConfig
-from backends.native.host_memory import keep_freed_memory
+from backends.native.host_memory import available_memory, keep_freed_memory
 from backends.native.model_runner import ModelRunner
 from backends.native.weights import default_model_path, open_checkpoint
 from tests.backends.native.reference import prefill_batch
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+GIB = 2**30
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"memory.max": f"{8 * GIB}", "memory.current": f"{3 * GIB}"}, 5 * GIB),  # v2: the limit leaves less
+    ({"memory.max": "max", "memory.current": f"{3 * GIB}"}, 100 * GIB),  # v2 without a limit
+    ({"memory.max": f"{500 * GIB}", "memory.current": f"{3 * GIB}"}, 100 * GIB),  # a limit above the machine's
+    ({"memory/memory.limit_in_bytes": f"{8 * GIB}", "memory/memory.usage_in_bytes": f"{7 * GIB}"}, 1 * GIB),  # v1
+    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"}, 100 * GIB),
+    ({"memory.max": f"{2 * GIB}", "memory.current": f"{3 * GIB}"}, 0),  # over its limit already
+    ({}, 100 * GIB),  # no cgroup files: a process outside a container
+])
+def test_available_memory_is_the_machines_capped_by_the_cgroup_limit(tmp_path, monkeypatch, files, expected):
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=100 * GIB))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert available_memory(tmp_path) == expected
 
 
 def _faults(fn) -> int:

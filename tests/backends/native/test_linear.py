@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends.native import host_memory
 from backends.native import model as model_module
 from backends.native.config import ModelConfig
 from backends.native.linear import (
@@ -187,6 +188,15 @@ def test_an_fp32_model_keeps_strip_copies_and_counts_them():
     assert all(m.strips is not None and m.tiles is None for m in linears)
     assert model.small_step_copy_bytes() == sum(m.strips.numel() * 4 for m in linears)
     torch.testing.assert_close(model.layers[0].mlp.gate_up_proj(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_goes_without_copies_its_container_has_no_room_for(tmp_path, monkeypatch):
+    (tmp_path / "memory.max").write_text(f"{64 << 10}\n")  # a cgroup limit of 64 KiB, none of it used
+    (tmp_path / "memory.current").write_text("0\n")
+    monkeypatch.setattr(host_memory, "CGROUP", tmp_path)
+    model = _packed_bf16_model()
+    assert model.pack_linear_weights()
+    assert model.small_step_copy_bytes() == 0
 
 
 def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
