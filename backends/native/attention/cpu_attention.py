@@ -16,6 +16,7 @@ Without a C compiler the engine keeps the pure-torch path (torch_attention.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,11 +110,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     [n, max_blocks]; the per-sequence tensors [n], int64. Written into ``out`` (contiguous) when given.
     With ``amx``, bf16 runs on the AMX tiles where this CPU and the layout allow.
     """
-    lib, (hkv, _, block_size, d) = library(), k_cache.shape
-    kernel = lib.paged_prefill_attention
-    if amx and q.dtype == torch.bfloat16 and lib.prefill_attention_amx_supported(q.shape[1], hkv, d, block_size):
-        kernel = lib.paged_prefill_attention_amx
+    hkv, _, block_size, d = k_cache.shape
+    tiles = amx and q.dtype == torch.bfloat16 and _amx_prefill_supported(q.shape[1], hkv, d, block_size)
+    kernel = library().paged_prefill_attention_amx if tiles else library().paged_prefill_attention
     return _run(kernel, q, k_cache, v_cache, block_tables, [query_starts, query_lens, context_lens], scale, out)
+
+
+@functools.cache
+def _amx_prefill_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether csrc/prefill_attention_amx.c runs this layout here: asked once per layout, not per layer."""
+    return bool(library().prefill_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size))
 
 
 def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

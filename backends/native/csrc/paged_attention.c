@@ -25,6 +25,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "prefill_tasks.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -546,14 +547,11 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             float scale, int is_bf16) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = TILE_ROWS / group;
-    int64_t tiles = 0; /* tiles before each sequence: tasks are numbered (tile, KV head) */
-    for (int64_t s = 0; s < num_seqs; s++) tiles += (query_lens[s] + tile - 1) / tile;
+    const int64_t tasks = prefill_tiles(query_lens, num_seqs, tile) * num_kv_heads;
     #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
-        const int64_t h = task % num_kv_heads;
-        int64_t t0 = task / num_kv_heads, s = 0;
-        while (t0 >= (query_lens[s] + tile - 1) / tile) t0 -= (query_lens[s++] + tile - 1) / tile;
-        const int64_t first_q = t0 * tile, nq = query_lens[s] - first_q < tile ? query_lens[s] - first_q : tile;
+    for (int64_t task = 0; task < tasks; task++) {
+        const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
+        const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
         const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
         const int64_t padded = (rows + 3) & ~(int64_t)3; /* rows past `rows`: zero queries, results dropped */
         float qf[TILE_ROWS][MAX_HEAD_DIM], acc[TILE_ROWS][MAX_HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];

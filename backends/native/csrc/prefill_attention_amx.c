@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "prefill_tasks.h"
 
 #define ROWS 16   /* query rows per task: one tile of rows */
 #define STEP 32   /* keys per step: two score tiles, one probability tile */
@@ -181,11 +182,9 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
     int64_t *offset = malloc((num_seqs + 1) * sizeof *offset); /* each sequence's gathered keys, in elements */
     if (!offset) return -2;
     offset[0] = 0;
-    int64_t tiles = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
+    for (int64_t s = 0; s < num_seqs; s++)
         offset[s + 1] = offset[s] + ((context_lens[s] + STEP - 1) / STEP * STEP) * d / 2 * num_kv_heads;
-        tiles += (query_lens[s] + tile - 1) / tile;
-    }
+    const int64_t tasks = prefill_tiles(query_lens, num_seqs, tile) * num_kv_heads;
     uint16_t *keys = aligned_alloc(64, offset[num_seqs] * 4 + 64);
     uint32_t *values = aligned_alloc(64, offset[num_seqs] * 4 + 64);
     if (!keys || !values) {
@@ -204,11 +203,9 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
         }
         configure();
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
-            const int64_t h = task % num_kv_heads;
-            int64_t t0 = task / num_kv_heads, s = 0;
-            while (t0 >= (query_lens[s] + tile - 1) / tile) t0 -= (query_lens[s++] + tile - 1) / tile;
-            const int64_t first_q = t0 * tile, nq = query_lens[s] - first_q < tile ? query_lens[s] - first_q : tile;
+        for (int64_t task = 0; task < tasks; task++) {
+            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
+            const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
             const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
             const int64_t padded = (context_lens[s] + STEP - 1) / STEP * STEP, at = offset[s] + h * padded * d / 2;
             uint16_t qbuf[ROWS * MAX_DIM] __attribute__((aligned(64)));
