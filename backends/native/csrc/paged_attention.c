@@ -9,9 +9,10 @@
  * pairs without widening where the CPU has AVX512-BF16, the softmax update runs on the vector, and each
  * value row is loaded once for the whole group. Where the CPU has AMX tiles (and the build knows them),
  * bf16 caches go through two tile products per 16 keys instead (attend_block_amx).
- * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of queries);
- * keys come 16 at a time, transposed once per task so that a tile's scores build up as vector FMAs, and
- * the weighted values accumulate in registers, four query rows by 16 columns at a time.
+ * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of up to 64 query
+ * rows), holding its queries, scores and outputs with the rows as vector lanes; keys and values are read as
+ * rows, 32 keys per slice, each element broadcast against the rows (register blocks of 4 keys or 4 output
+ * columns by 4 row vectors), and the online softmax runs down the keys, one row per lane.
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
  * Sums are fp32; bf16 storage is widened block by block (or multiplied in pairs, above). Built and loaded by cpu_kernels.py;
@@ -432,19 +433,21 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 }
 
 /* ------------------------------------------------------------------------------- prefill (causal) */
-#define TILE_ROWS 64 /* query rows (query tokens x query heads of one KV group) one task scores together */
-#define KEYS 16      /* keys scored at once per query row */
-
 /* The widest vector this build's ISA holds in one register: a wider GCC vector type is emulated through
  * the stack (a 16-lane type on AVX2 ran the score loop 7x slower than two 8-lane ones). */
 #if defined(__AVX512F__)
 #define LANES 16
+#define AT_ONCE 4 /* keys (scores) or value columns (outputs) per register block: 4 x ROW_VECS accumulators */
 #elif defined(__AVX__)
 #define LANES 8
+#define AT_ONCE 2 /* 16 registers: 2 x ROW_VECS accumulators */
 #else
 #define LANES 4
+#define AT_ONCE 2
 #endif
-#define VECS (KEYS / LANES) /* vectors per KEYS floats */
+#define ROW_VECS 4                     /* a task's query rows fill up to this many vectors */
+#define TILE_ROWS (ROW_VECS * LANES)   /* query rows (query tokens x query heads of one KV group) per task */
+#define KEYS 32                        /* keys per slice: scored, softmaxed, then folded into the outputs */
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
 static inline vf loadv(const float *p) {
@@ -455,89 +458,142 @@ static inline vf loadv(const float *p) {
 
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* s[r] = q[r] . keys for `rows` rows (a multiple of 4), the keys transposed (kt[i * KEYS + t]): four rows
- * at a time, so four FMA chains per vector hide each other's latency and share every key load. */
-static inline __attribute__((always_inline)) void score_rows(const float *kt, const int64_t d, int64_t rows,
-                                                            float q[][MAX_HEAD_DIM], float s[][KEYS]) {
-    for (int64_t r = 0; r < rows; r += 4) {
-        vf a[4][VECS] = {{0}};
+/* Everything in a task is held with query rows as vector lanes ("transposed"): the queries qt[i][r], the
+ * scores st[t][r] (key t), the outputs ot[i][r]. Keys and values are then read as rows, in place in an fp32
+ * cache, each element broadcast against a vector of query rows: no key is transposed, and the softmax
+ * runs down the keys, one row per lane. */
+
+/* st[t][r] = q[r] . k[t] for t < n (rounded up to AT_ONCE: krow repeats its last key), rv row vectors. */
+static inline __attribute__((always_inline)) void score_slice(const float *const *krow, int64_t n, const int64_t d,
+                                                             const int rv, float qt[][TILE_ROWS],
+                                                             float st[][TILE_ROWS]) {
+    for (int64_t t = 0; t < n; t += AT_ONCE) {
+        vf a[AT_ONCE][ROW_VECS] = {{0}};
         for (int64_t i = 0; i < d; i++) {
-            for (int v = 0; v < VECS; v++) {
-                const vf k = loadv(kt + i * KEYS + v * LANES);
-                for (int j = 0; j < 4; j++) a[j][v] += q[r + j][i] * k;
+            vf qv[ROW_VECS];
+            for (int v = 0; v < rv; v++) qv[v] = loadv(qt[i] + v * LANES);
+            for (int j = 0; j < AT_ONCE; j++) {
+                const float k = krow[t + j][i];
+                for (int v = 0; v < rv; v++) a[j][v] += k * qv[v];
             }
         }
-        for (int j = 0; j < 4; j++) {
-            for (int v = 0; v < VECS; v++) storev(s[r + j] + v * LANES, a[j][v]);
-        }
-    }
-}
-
-/* acc[r] = acc[r] * alpha[r] + sum over t < n of p[r][t] * v[t], for `rows` rows (a multiple of 4): four
- * rows by KEYS columns of acc stay in registers while the n value rows stream past. */
-static inline __attribute__((always_inline)) void accumulate_rows(const float *v, int64_t n, const int64_t d,
-                                                                 int64_t rows, float p[][KEYS], const float *alpha,
-                                                                 float acc[][MAX_HEAD_DIM]) {
-    for (int64_t r = 0; r < rows; r += 4) {
-        int64_t c = 0;
-        for (; c + KEYS <= d; c += KEYS) {
-            vf a[4][VECS];
-            for (int j = 0; j < 4; j++) {
-                for (int u = 0; u < VECS; u++) a[j][u] = loadv(acc[r + j] + c + u * LANES) * alpha[r + j];
-            }
-            for (int64_t t = 0; t < n; t++) {
-                for (int u = 0; u < VECS; u++) {
-                    const vf x = loadv(v + t * d + c + u * LANES);
-                    for (int j = 0; j < 4; j++) a[j][u] += p[r + j][t] * x;
-                }
-            }
-            for (int j = 0; j < 4; j++) {
-                for (int u = 0; u < VECS; u++) storev(acc[r + j] + c + u * LANES, a[j][u]);
-            }
-        }
-        for (int64_t j = r; j < r + 4; j++) { /* head sizes that are not a multiple of KEYS */
-            for (int64_t i = c; i < d; i++) {
-                float x = acc[j][i] * alpha[j];
-                for (int64_t t = 0; t < n; t++) x += p[j][t] * v[t * d + i];
-                acc[j][i] = x;
-            }
+        for (int j = 0; j < AT_ONCE; j++) {
+            for (int v = 0; v < rv; v++) storev(st[t + j] + v * LANES, a[j][v]);
         }
     }
 }
 
-/* Fold n <= KEYS keys, at positions key0.., into the running softmax state (acc, m, l) of `rows` query
- * rows: scores, then per row the new maximum, the rescale of what was summed under the old one and the
- * probabilities (zero for keys past the row's position: causal), then the weighted values. */
-static inline __attribute__((always_inline)) void attend_keys(
-        const float *kt, const float *v, int64_t n, const int64_t d, int64_t rows, const int64_t *pos,
-        int64_t key0, float q[][MAX_HEAD_DIM], float acc[][MAX_HEAD_DIM], float *m, float *l) {
-    float s[TILE_ROWS][KEYS], alpha[TILE_ROWS];
-    score_rows(kt, d, rows, q, s);
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t visible = pos[r] - key0 + 1 < n ? pos[r] - key0 + 1 : n;
-        float top = -FLT_MAX;
-        #pragma omp simd reduction(max:top)
-        for (int64_t t = 0; t < KEYS; t++) top = fmaxf(top, t < visible ? s[r][t] : -FLT_MAX);
-        const float m_new = fmaxf(m[r], top);
-        alpha[r] = m[r] == -FLT_MAX ? 0.0f : expf(m[r] - m_new); /* nothing summed yet: nothing to rescale */
-        float sum = 0.0f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t t = 0; t < KEYS; t++) {
-            s[r][t] = t < visible ? expf(s[r][t] - m_new) : 0.0f;
-            sum += s[r][t];
+/* ot[i][r] = ot[i][r] * alpha[r] + sum over t < n of p[t][r] * v[t][i]: AT_ONCE output columns by rv row
+ * vectors stay in registers while the slice's n values stream past. */
+static inline __attribute__((always_inline)) void accumulate_slice(const float *const *vrow, int64_t n,
+                                                                  const int64_t d, const int rv,
+                                                                  float p[][TILE_ROWS], const float *alpha,
+                                                                  float ot[][TILE_ROWS]) {
+    vf al[ROW_VECS];
+    for (int v = 0; v < rv; v++) al[v] = loadv(alpha + v * LANES);
+    int64_t c = 0;
+    for (; c + AT_ONCE <= d; c += AT_ONCE) {
+        vf a[AT_ONCE][ROW_VECS];
+        for (int j = 0; j < AT_ONCE; j++) {
+            for (int v = 0; v < rv; v++) a[j][v] = loadv(ot[c + j] + v * LANES) * al[v];
         }
-        l[r] = l[r] * alpha[r] + sum;
-        m[r] = m_new;
+        for (int64_t t = 0; t < n; t++) {
+            vf pv[ROW_VECS];
+            for (int v = 0; v < rv; v++) pv[v] = loadv(p[t] + v * LANES);
+            for (int j = 0; j < AT_ONCE; j++) {
+                const float x = vrow[t][c + j];
+                for (int v = 0; v < rv; v++) a[j][v] += x * pv[v];
+            }
+        }
+        for (int j = 0; j < AT_ONCE; j++) {
+            for (int v = 0; v < rv; v++) storev(ot[c + j] + v * LANES, a[j][v]);
+        }
     }
-    accumulate_rows(v, n, d, rows, s, alpha, acc);
+    for (; d % AT_ONCE && c < d; c++) { /* head sizes that are not a multiple of AT_ONCE */
+        vf a[ROW_VECS];
+        for (int v = 0; v < rv; v++) a[v] = loadv(ot[c] + v * LANES) * al[v];
+        for (int64_t t = 0; t < n; t++) {
+            for (int v = 0; v < rv; v++) a[v] += vrow[t][c] * loadv(p[t] + v * LANES);
+        }
+        for (int v = 0; v < rv; v++) storev(ot[c] + v * LANES, a[v]);
+    }
+}
+
+/* exp(x) for x <= 0 to ~2e-7 relative, as 2^round(x log2 e) times a degree-6 polynomial of the rest (inlined
+ * and vectorised with the loop around it: libmvec's expf, a call per vector, was 6% of the kernel's time);
+ * flushed to 0 below -EXP_FLOOR. The product of a smaller weight with a value, or with an output rescaled by
+ * it, may be a denormal, and denormal arithmetic (no flush-to-zero in a library) took 30x the kernel's time
+ * on SmolLM2's first layer; weights under e^-40 of the row's largest change no fp32 sum. */
+#define EXP_FLOOR 40.0f
+static inline float exp_or_zero(float x) {
+    const float t = fmaxf(x, -EXP_FLOOR) * 1.44269504f, n = nearbyintf(t), f = (t - n) * 0.693147181f;
+    float p = 1.0f / 720;
+    p = p * f + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return x > -EXP_FLOOR ? p * two_n : 0.0f;
+}
+
+/* Fold the n keys of one slice, the first at position key0, into the running softmax state (ot, m, l) of
+ * `lanes` query rows at positions pos[r]: scores, the new maximum per row (keys past a row's position do
+ * not count: causal), the rescale of what was summed under the old one, probabilities, weighted values. */
+static inline __attribute__((always_inline)) void attend_slice(
+        const float *const *krow, const float *const *vrow, int64_t n, const int64_t d, const int rv,
+        const int32_t *pos, int32_t key0, float qt[][TILE_ROWS], float ot[][TILE_ROWS], float *m, float *l) {
+    const int64_t lanes = rv * LANES;
+    float st[KEYS][TILE_ROWS], top[TILE_ROWS], alpha[TILE_ROWS], sum[TILE_ROWS];
+    score_slice(krow, n, d, rv, qt, st);
+    memcpy(top, m, lanes * sizeof *top);
+    for (int64_t t = 0; t < n; t++) {
+        #pragma omp simd
+        for (int64_t r = 0; r < lanes; r++) top[r] = key0 + t <= pos[r] && st[t][r] > top[r] ? st[t][r] : top[r];
+    }
+    #pragma omp simd
+    for (int64_t r = 0; r < lanes; r++) {
+        alpha[r] = exp_or_zero(m[r] - top[r]); /* 0 before the first key: m is -FLT_MAX there */
+        m[r] = top[r];
+        sum[r] = 0.0f;
+    }
+    for (int64_t t = 0; t < n; t++) {
+        #pragma omp simd
+        for (int64_t r = 0; r < lanes; r++) {
+            st[t][r] = key0 + t <= pos[r] ? exp_or_zero(st[t][r] - top[r]) : 0.0f;
+            sum[r] += st[t][r];
+        }
+    }
+    #pragma omp simd
+    for (int64_t r = 0; r < lanes; r++) l[r] = l[r] * alpha[r] + sum[r];
+    accumulate_slice(vrow, n, d, rv, st, alpha, ot);
+}
+
+/* attend_slice with the row vectors and common head sizes as constants: unrolled, all in registers. */
+static void attend_slice_any(const float *const *krow, const float *const *vrow, int64_t n, int64_t d, int rv,
+                             const int32_t *pos, int32_t key0, float qt[][TILE_ROWS], float ot[][TILE_ROWS],
+                             float *m, float *l) {
+#define ATTEND(RV, D) attend_slice(krow, vrow, n, D, RV, pos, key0, qt, ot, m, l)
+#define ATTEND_D(RV) (d == 64 ? ATTEND(RV, 64) : d == 128 ? ATTEND(RV, 128) : ATTEND(RV, d))
+    switch (rv) {
+    case 1: ATTEND_D(1); break;
+    case 2: ATTEND_D(2); break;
+    case 3: ATTEND_D(3); break;
+    default: ATTEND_D(4);
+    }
+#undef ATTEND_D
+#undef ATTEND
 }
 
 /* Causal attention for prefill chunks, reading all keys (cached prefix and this chunk's, already written)
  * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
  * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of
- * TILE_ROWS / group queries); a tile walks its keys KEYS at a time (each block in KEYS-key slices), each
- * slice transposed once and scored against all the tile's rows. Returns 0, or -1 for a layout
+ * TILE_ROWS / group queries); a tile walks its keys KEYS at a time, across blocks. bf16 keys and values
+ * are widened slice by slice; fp32 ones are read in place. Returns 0, or -1 for a layout
  * paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
@@ -553,48 +609,45 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
         const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
         const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
         const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
-        const int64_t padded = (rows + 3) & ~(int64_t)3; /* rows past `rows`: zero queries, results dropped */
-        float qf[TILE_ROWS][MAX_HEAD_DIM], acc[TILE_ROWS][MAX_HEAD_DIM], m[TILE_ROWS], l[TILE_ROWS];
-        float kt[MAX_HEAD_DIM * KEYS], vbuf[KEYS * MAX_HEAD_DIM];
-        int64_t pos[TILE_ROWS];
-        for (int64_t r = 0; r < padded; r++) { /* row r: query first_q + r / group, head h * group + r % group */
-            const int64_t at = (query_starts[s] + first_q + r / group) * q_stride + (h * group + r % group) * d;
+        const int rv = (int)((rows + LANES - 1) / LANES); /* lanes past `rows`: the last row again, dropped */
+        float qt[MAX_HEAD_DIM][TILE_ROWS], ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
+        float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM]; /* bf16 keys and values, widened */
+        const float *krow[KEYS], *vrow[KEYS];
+        int32_t pos[TILE_ROWS];
+        for (int64_t r = 0; r < rv * LANES; r++) { /* row r: query first_q + r / group, head h * group + r % group */
+            const int64_t row = r < rows ? r : rows - 1;
+            const int64_t at = (query_starts[s] + first_q + row / group) * q_stride + (h * group + row % group) * d;
             for (int64_t i = 0; i < d; i++) {
-                qf[r][i] = r < rows ? load(q, at + i, is_bf16) * scale : 0.0f;
-                acc[r][i] = 0.0f;
+                qt[i][r] = load(q, at + i, is_bf16) * scale;
+                ot[i][r] = 0.0f;
             }
-            pos[r] = prefix + first_q + (r < rows ? r : rows - 1) / group;
+            pos[r] = (int32_t)(prefix + first_q + row / group);
             m[r] = -FLT_MAX;
             l[r] = 0.0f;
         }
         const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
-        for (int64_t key0 = 0, n; key0 < keys; key0 += n) { /* n: up to KEYS keys, within one block */
-            const int64_t block = block_tables[s * table_stride + key0 / block_size];
-            const int64_t in_block = block_size - key0 % block_size, left = keys - key0;
-            n = left < in_block ? left : in_block;
-            n = n < KEYS ? n : KEYS;
-            const int64_t base = ((h * num_blocks + block) * block_size + key0 % block_size) * d;
-            if (key0 % block_size == 0 && key0 + block_size < keys) /* a new block: ask for the next one */
-                prefetch_block(k_cache, v_cache, h * num_blocks + block_tables[s * table_stride + key0 / block_size + 1],
-                               block_size * d * (is_bf16 ? 2 : 4));
-            for (int64_t t = 0; t < KEYS; t++) { /* transpose keys (zeros past n), widen values */
-                for (int64_t i = 0; i < d; i++) kt[i * KEYS + t] = t < n ? load(k_cache, base + t * d + i, is_bf16) : 0.0f;
+        for (int64_t key0 = 0; key0 < keys; key0 += KEYS) {
+            const int64_t n = keys - key0 < KEYS ? keys - key0 : KEYS;
+            for (int64_t j = 0, run; j < n; j += run) { /* the slice's keys, block by block */
+                const int64_t key = key0 + j, block = block_tables[s * table_stride + key / block_size];
+                const int64_t at = ((h * num_blocks + block) * block_size + key % block_size) * d;
+                run = block_size - key % block_size < n - j ? block_size - key % block_size : n - j;
+                if (is_bf16) {
+                    widen((const uint16_t *)k_cache + at, kbuf + j * d, run * d);
+                    widen((const uint16_t *)v_cache + at, vbuf + j * d, run * d);
+                }
+                for (int64_t u = 0; u < run; u++) {
+                    krow[j + u] = is_bf16 ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
+                    vrow[j + u] = is_bf16 ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
+                }
             }
-            const float *v = (const float *)v_cache + base;
-            if (is_bf16) {
-                widen((const uint16_t *)v_cache + base, vbuf, n * d);
-                v = vbuf;
-            }
-            switch (d) { /* constant head sizes: unrolled, vectorised row loops */
-            case 64: attend_keys(kt, v, n, 64, padded, pos, key0, qf, acc, m, l); break;
-            case 128: attend_keys(kt, v, n, 128, padded, pos, key0, qf, acc, m, l); break;
-            default: attend_keys(kt, v, n, d, padded, pos, key0, qf, acc, m, l);
-            }
+            for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];
+            attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt, ot, m, l);
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
             const float inv = 1.0f / l[r];
-            for (int64_t i = 0; i < d; i++) store(out, at + i, acc[r][i] * inv, is_bf16);
+            for (int64_t i = 0; i < d; i++) store(out, at + i, ot[i][r] * inv, is_bf16);
         }
     }
     return 0;

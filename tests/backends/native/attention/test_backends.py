@@ -102,17 +102,32 @@ def test_a_mixed_step_matches_causal_softmax_attention(make_backend, hq, hkv, d)
     assert meta.logits_indices.tolist() == last_rows.tolist()
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(10, 2, 40), (9, 3, 64)])
+@pytest.mark.parametrize("hq, hkv, d", [(10, 2, 40), (9, 3, 64), (6, 2, 38)])
 @pytest.mark.parametrize("block_size", [1, 4, 24, 64])
 def test_the_c_kernels_take_any_block_size_and_head_size(block_size, hq, hkv, d):
-    # Their prefill walks keys 16 at a time and their value rows 16 columns at a time; decode with AVX-512
-    # scores 16 keys per vector where the head size is a multiple of 32: blocks smaller than, not a multiple
-    # of, or larger than 16 keys, and a head size that is not a multiple of 16 (40)
+    # Their prefill walks keys 32 at a time across blocks and their outputs 4 (AVX-512; 2 otherwise) columns
+    # at a time; decode with AVX-512 scores 16 keys per vector where the head size is a multiple of 32: blocks
+    # smaller than, not a multiple of, or larger than 16 keys, head sizes that are not a multiple of 16 (40)
+    # or of 4 (38)
     (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.float32, torch.device("cpu"), block_size)
     backend = CpuAttention(block_size, k_cache.shape[1], torch.device("cpu"))
     got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), d ** -0.5)
     expected = reference(q, k_cache, v_cache, batch, d ** -0.5)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("make_backend", CPU_ONLY, ids=["c-cpu", "c-cpu-vector-prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_hundreds_apart_give_the_softmax_answer(make_backend, dtype):
+    # Real layers have keys that score hundreds above the rest (attention sinks): probabilities of e^-100 and
+    # below, whose products with values would be denormals, count as 0 (the C prefill kernel flushes them)
+    (q, k, v, k_cache, v_cache), batch = make_step(9, 3, 64, dtype, torch.device("cpu"))
+    q = q * 40
+    backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 64 ** -0.5)
+    expected = reference(q, k_cache, v_cache, batch, 64 ** -0.5)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # fp32 scores of ~100 carry rounding of ~1e-5
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("make_backend", [CpuAttention, c_with_vector_prefill, pytest.param(
