@@ -54,9 +54,10 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(timings(fn, repeats))
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 20) -> float:
     """FLOP/s of the fastest of ``repeats`` square matmuls: this machine's practical peak for ``dtype``
-    (the fastest, not the mean: on a shared machine the mean measures the neighbours too)."""
+    (the fastest, not the mean: on a shared machine the mean measures the neighbours too). ``main`` takes
+    the faster of a measure before and one after the steps: a slow spell during one would inflate MFU."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     best = min(timed(lambda: torch.mm(a, b), 1) for _ in range(repeats))
     return 2 * size**3 / best
@@ -155,9 +156,9 @@ def main() -> None:
         "prefill": make_batch(runner, [args.prompt_len] * args.prompts, [args.prompt_len] * args.prompts),
         "decode": make_batch(runner, [1] * args.batch, [args.context] * args.batch),
     }
-    results = {}
-    for name, batch in steps.items():
-        r = results[name] = profile_step(runner, batch, args.repeats)
+    results = {name: profile_step(runner, batch, args.repeats) for name, batch in steps.items()}
+    peak = max(peak, matmul_peak(runner.dtype))
+    for name, r in results.items():
         r["mfu"] = r["model_gflop_s"] * 1e9 / peak
         print(f"\n{name}: {r['sequences']} sequences, {r['tokens']} tokens, step {r['step_s'] * 1000:.1f} ms, "
               f"{r['tokens'] / r['step_s']:.0f} tok/s, model {r['model_gflop_s']:.1f} GFLOP/s = {r['mfu']:.0%} "
