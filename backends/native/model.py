@@ -152,6 +152,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.logits(x, residual, meta)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, meta: StepMetadata) -> torch.Tensor | None:
+        """fp32 logits of the rows ``meta.logits_indices`` from the last layer's output and residual stream."""
         x, _ = self.norm(x[meta.logits_indices], residual[meta.logits_indices])
         logits = self.tp.gather_columns(self.lm_head(x))
         return None if logits is None else logits[:, :self.config.vocab_size].float()

@@ -17,6 +17,7 @@ from backends.native.attention import Kernels, choose_kernels
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
+from backends.native.fused_decode import FusedDecode
 from backends.native.host_memory import keep_freed_memory
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
@@ -94,6 +95,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels.attention, config.max_num_seqs,
                                        -(-max_model_len // self.block_size))
+        self.fused = None if config.enforce_eager else FusedDecode.build(self.model, self.kv_caches, self.kernels)
 
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
         int8 = config.quantization == "int8"
@@ -184,6 +186,8 @@ class ModelRunner:
             return self.graphs.run(batch)
         attention = self.kernels.attention
         meta = attention.build(batch)
+        if self.fused is not None and self.fused.can_run(batch):
+            return self.fused.run(self._ids(batch.token_ids), self._ids(batch.positions), meta)
         ids, positions, logits_rows = batch.token_ids, batch.positions, len(meta.logits_indices)
         if self.pad_rows:
             padding = [0] * (padded_rows(len(ids)) - len(ids))

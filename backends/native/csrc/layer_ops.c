@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 /* v as the storage type would hold it. */
 static inline __attribute__((always_inline)) float round_to(float v, const int bf16) {

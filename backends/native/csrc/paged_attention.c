@@ -26,6 +26,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "kernels.h"
 #include "prefill_tasks.h"
 
 #define MAX_GROUP 16

@@ -12,6 +12,8 @@
 
 #include <stdint.h>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "amx.h"
+#include "kernels.h"
 
 /* Whether tile_linear runs here: built with the tile instructions and granted the tile registers. */
 int tile_linear_supported(void) {
