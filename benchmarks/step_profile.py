@@ -5,8 +5,9 @@ Two steps of the native engine on the embedded SmolLM2 (its model runner, the ke
            default token budget of 2048);
   decode:  ``--batch`` sequences at context ``--context``, one new token each.
 Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
-model's own modules and kernels: the four linear projections over all layers, attention, the layer ops
-(RMSNorm + residual, rotary + KV store, SiLU-and-mul), the LM head on the sampled rows; "rest" is the
+model's own modules and kernels: the four linear projections over all layers (gate/up with its SiLU-and-mul,
+which in bf16 oneDNN's epilogues compute), attention, the layer ops (RMSNorm + residual, rotary + KV store),
+the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
 its own noise, so a small negative rest means "nothing measurable"). Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
@@ -94,28 +95,29 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     rope = model.rotary.tables(torch.tensor(batch.positions))
     q, k, v = attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *runner.kv_caches[0],
                                        meta.slot_mapping)
-    gate_up = layers[0].mlp.gate_up_proj(x)
-    act = layers[0].mlp.ops.silu_and_mul(gate_up)
+    act = layers[0].mlp.gate_up_proj.silu_and_mul(x, layers[0].mlp.ops)
     rows, h, residual = x[meta.logits_indices], x.clone(), x.clone()
     keys = sum(n * ctx - n * (n - 1) / 2 for n, ctx in zip(batch.query_lens, batch.context_lens))  # causal
     inputs = {("self_attn", "qkv_proj"): x, ("self_attn", "o_proj"): torch.randn(tokens, attn.q_size, dtype=runner.dtype),
               ("mlp", "gate_up_proj"): x, ("mlp", "down_proj"): act}
 
     def projection(owner: str, name: str) -> tuple[Callable[[], object], float]:
-        """Every layer's ``owner.name`` on its input, and the FLOPs of that."""
+        """Every layer's ``owner.name`` on its input, as the model calls it, and the FLOPs of that."""
         modules = [getattr(getattr(layer, owner), name) for layer in layers]
         weights = modules[0].in_features * modules[0].out_features
-        return (lambda: [m(inputs[owner, name]) for m in modules]), 2 * tokens * weights * len(layers)
+        x, ops = inputs[owner, name], layers[0].mlp.ops
+        call = (lambda m: m.silu_and_mul(x, ops)) if name == "gate_up_proj" else (lambda m: m(x))
+        return (lambda: [call(m) for m in modules]), 2 * tokens * weights * len(layers)
 
     parts = {
-        **{name: projection(owner, name) for owner, name in inputs},
+        **{"gate_up_proj + silu" if name == "gate_up_proj" else name: projection(owner, name)
+           for owner, name in inputs},
         "attention": (lambda: [attn.backend.forward(q, k, v, *kv, meta, attn.scale) for kv in runner.kv_caches],
                       4 * attn.num_heads * attn.head_dim * keys * len(layers)),
         # in place, as in the step: the rows are normalised again and rotated again on each call
         "add_rms_norm x2": (lambda: [layer.input_layernorm(h, residual) for layer in layers for _ in (0, 1)], 0),
         "rotary_store_kv": (lambda: [attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *kv,
                                                               meta.slot_mapping) for kv in runner.kv_caches], 0),
-        "silu_and_mul": (lambda: [layer.mlp.ops.silu_and_mul(gate_up) for layer in layers], 0),
         "lm_head": (lambda: model.lm_head(rows), 2 * len(rows) * cfg.hidden_size * model.lm_head.out_features),
     }
     out = {"tokens": tokens, "sequences": len(batch.query_lens), "step_s": step, "parts": {}}

@@ -25,6 +25,7 @@ from backends.native.layer_ops import TorchLayerOps
 from backends.native.linear import (
     STRIP_ROWS,
     TILE_ROWS,
+    GateUpLinear,
     Int8Rows,
     Linear,
     can_pack,
@@ -89,11 +90,11 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate_size = cfg.intermediate_size // tp.size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops)))
 
 
 class VocabEmbedding(nn.Module):
@@ -171,9 +172,8 @@ class LlamaModel(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (oneDNN-packed and small-step copies included)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        return total + self.small_step_copy_bytes() + sum(m.packed.numel() * m.packed.element_size()
-                                                          for m in self.modules() if isinstance(m, Linear)
-                                                          and m.packed is not None)
+        packed = [p for m in self.modules() if isinstance(m, Linear) for p in m.packed_weights()]
+        return total + self.small_step_copy_bytes() + sum(p.numel() * p.element_size() for p in packed)
 
     def small_step_copy_bytes(self) -> int:
         """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none)."""

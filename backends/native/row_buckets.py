@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from backends.native.linear import Linear
+from backends.native.layer_ops import TorchLayerOps
+from backends.native.linear import GateUpLinear, Linear
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,13 @@ def warm_up_linears(model: torch.nn.Module, max_rows: int, max_head_rows: int) -
     started, shapes = time.perf_counter(), {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed is not None:
-            shapes.setdefault((module is head, module.in_features, module.out_features), module)
+        if isinstance(module, Linear) and module.packed_weights():
+            shapes.setdefault((module is head, type(module), module.in_features, module.out_features), module)
     calls = 0
-    for (is_head, in_features, _), module in shapes.items():
-        dtype = module.packed.dtype
+    for (is_head, kind, in_features, _), module in shapes.items():
+        dtype = module.packed_weights()[0].dtype
         for rows in buckets(max_head_rows if is_head else max_rows):
-            module(torch.zeros(rows, in_features, dtype=dtype))
+            x = torch.zeros(rows, in_features, dtype=dtype)
+            module.silu_and_mul(x, TorchLayerOps) if kind is GateUpLinear else module(x)  # as the model calls it
             calls += 1
     log.info("native engine: %d matmul shapes compiled in %.2f s", calls, time.perf_counter() - started)

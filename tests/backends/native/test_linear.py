@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from backends.native import host_memory
 from backends.native import model as model_module
 from backends.native.config import ModelConfig
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
 from backends.native.linear import (
     STRIP_ROWS,
     TILE_ROWS,
+    GateUpLinear,
     Linear,
     can_pack,
     can_strip,
@@ -55,6 +57,33 @@ def test_only_cpu_fp32_and_native_bf16_are_packed():
     assert can_pack(torch.float32, torch.device("cpu"))
     assert not can_pack(torch.float16, torch.device("cpu"))
     assert not can_pack(torch.float32, torch.device("meta"))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_bf16_gate_and_up_give_silu_and_mul_from_the_matmul_epilogues(rows):
+    # Packed apart, the halves multiply in oneDNN's epilogues: silu of the gate's fp32 sums (HF rounds them to bf16
+    # first) times the up's, within bf16's rounding of the reference; forward still gives both halves
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no native bf16 matmuls on this CPU")
+    torch.manual_seed(0)
+    layer = GateUpLinear(64, 2 * 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    both = F.linear(x, layer.weight)
+    expected = TorchLayerOps.silu_and_mul(both)
+    layer.pack()
+    assert layer.halves is not None and layer.packed is None and layer.weight.numel() == 0
+    assert [p.dtype for p in layer.packed_weights()] == [torch.bfloat16, torch.bfloat16]
+    torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps).float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(layer(x).float(), both.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_fp32_gate_and_up_pack_as_one_matmul():
+    layer = GateUpLinear(64, 2 * 96, bias=False)
+    x = torch.randn(5, 64)
+    expected = TorchLayerOps.silu_and_mul(F.linear(x, layer.weight))
+    layer.pack()
+    assert layer.halves is None and layer.packed_weights() == [layer.packed]
+    torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps), expected, atol=1e-5, rtol=1e-5)
 
 
 def _tile_layer(out_features: int, in_features: int, bias: bool = False) -> Linear:
@@ -204,4 +233,4 @@ def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
     model = _packed_bf16_model()
     assert model.pack_linear_weights()
     assert model.small_step_copy_bytes() == 0
-    assert all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
+    assert all(m.packed_weights() for m in model.modules() if isinstance(m, Linear))
