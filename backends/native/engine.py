@@ -259,7 +259,8 @@ class LLMEngine:
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
-                "cuda_graphs": runner.graphs is not None}
+                "cuda_graphs": runner.graphs is not None,
+                "fused_decode": runner.fused is not None}  # small CPU decode steps in one C call (fused_decode.py)
 
     def stats(self) -> EngineStats:
         return EngineStats(

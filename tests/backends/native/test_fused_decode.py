@@ -12,6 +12,7 @@ import torch
 
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
 from backends.native.model_runner import ModelRunner
 from backends.native.weights import open_checkpoint
 from tests.backends.native.reference import prefill_batch
@@ -82,3 +83,14 @@ def test_steps_with_a_prefill_chunk_or_more_rows_than_the_copies_serve_run_eager
     n = runner.fused.max_rows + 1
     wide = Batch([1] * n, [0] * n, list(range(n)), [1] * n, [1] * n, [[i] for i in range(n)], [True] * n)
     assert not runner.fused.can_run(wide)
+
+
+def test_get_info_says_whether_small_decode_steps_run_fused(tiny_model, smollm2_tokenizer):
+    shown = {}
+    for eager in (False, True):
+        config = EngineConfig(model_path=str(tiny_model), load_format="dummy", device="cpu", dtype="float32",
+                              num_blocks=16, warmup=False, enforce_eager=eager)
+        shown[eager] = LLMEngine(config, tokenizer=smollm2_tokenizer).settings()["fused_decode"]
+    if not shown[False]:
+        pytest.skip("this CPU has no AVX-512 strips")
+    assert shown == {False: True, True: False}
