@@ -11,7 +11,7 @@
  * flash attention does), interleaved in key pairs (the B operand of the output) and multiplied into the
  * values per 16 dimensions; the fp32 output, dimension by row, is rescaled and accumulated in memory.
  * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 2.5 ms per layer; torch's flash kernel, which the
- * engine used before, 3.3; the vector kernel of paged_attention.c 8.1.
+ * engine used before, 3.3-3.6; the vector kernel of paged_attention.c 5.5 (8.1 before its rows-as-lanes design).
  * Built and loaded by cpu_kernels.py; attention/cpu_attention.py calls it.
  */
 
