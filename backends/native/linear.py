@@ -35,9 +35,10 @@ from backends.native import cpu_kernels
 # the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
 INT8_KERNEL_ROWS = 32
 # Up to this many rows a bf16 matmul with a tile copy runs on csrc/tile_linear.c. Over SmolLM2's 30 layers of
-# weights (not in cache; AMX Xeon, 2 cores) it took 10.2-10.9 ms at 1-16 rows against oneDNN's 14-15, 13.3 vs
-# 16.7 at 32, 15.8 vs 17.5 at 48; from 56 rows oneDNN's blocking wins.
-TILE_ROWS = 48
+# weights (not in cache; AMX Xeon, 2 cores) it took 8.5-8.9 ms at 1-16 rows against oneDNN's 12.5-12.8, 11.7 vs
+# 15.0 at 32, 13.4 vs 15.0 at 48, 15.4 vs 17.0 at 64; level at 72, behind from 80 (an earlier run on a machine
+# of this kind had oneDNN ahead from 56). A 64-sequence decode step: 76.4 -> 62.0 ms with 64 here (fused too).
+TILE_ROWS = 64
 # Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c. Over SmolLM2's 30 layers
 # of weights (not in cache; AMX Xeon, 2 cores) against oneDNN: 19.7 vs 24.4 ms at 1 row, 28.5 vs 37.1 at 16,
 # 40.2 vs 46.7 at 32, 63.3 vs 77.4 at 64, 81 vs 94 at 96, 109 vs 115 at 128; level at 256, behind from 512.
