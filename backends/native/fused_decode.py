@@ -23,6 +23,7 @@ from backends.native.cpu_kernels import DTYPE_FLAGS, library
 from backends.native.layer_ops import CpuLayerOps
 from backends.native.linear import STRIP_ROWS, TILE_ROWS, Linear
 from backends.native.model import LlamaModel
+from backends.native.row_buckets import padded_rows
 
 BF16_TILES, INT8_TILES, FP32_STRIPS = 0, 1, 2  # csrc/decode_layers.c's weight_kind
 
@@ -77,7 +78,7 @@ class FusedDecode:
         return cls(model, kv_caches, kind)
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kind: int) -> None:
-        self.model, self.kind = model, kind
+        self.model = model
         self.max_rows = STRIP_ROWS if kind == FP32_STRIPS else TILE_ROWS
         cfg, attn, mlp = model.config, model.layers[0].self_attn, model.layers[0].mlp
         self.dtype = model.embed_tokens.weight.dtype
@@ -96,7 +97,7 @@ class FusedDecode:
                                       k_cache.data_ptr(), v_cache.data_ptr()))
         self.layers = (LayerWeights * len(table))(*table)
         scales = model.layers[0].self_attn.qkv_proj.scales if kind == INT8_TILES else None
-        hkv, num_blocks, block_size, _ = kv_caches[0][0].shape
+        _, num_blocks, block_size, _ = kv_caches[0][0].shape
         self.shape = StepShape(0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                mlp.intermediate_size, num_blocks, block_size, cfg.rms_norm_eps, attn.scale,
                                DTYPE_FLAGS[self.dtype], kind, scales is not None and scales.dtype == torch.bfloat16)
@@ -121,4 +122,8 @@ class FusedDecode:
         if library().decode_layers(self.layers, len(self.layers), ctypes.byref(self.shape), ctypes.byref(buffers),
                                    ctypes.byref(tokens)):
             raise RuntimeError("decode_layers: a kernel refused the model's layout")
-        return model.logits(hidden, residual, meta)
+        # The LM head sees a bucketed row count, as in an eager step (row_buckets.py): where it has no small-step
+        # copy (a vocabulary not a multiple of 16), oneDNN compiled its matmul for those counts only.
+        indices, n = meta.logits_indices, len(meta.logits_indices)
+        indices = torch.cat([indices, indices.new_zeros(padded_rows(n) - n)])
+        return model.logits(hidden, residual, indices)[:n]

@@ -188,7 +188,7 @@ class GateUpLinear(Linear):
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the gate's and the up's oneDNN-packed weights
 
     def pack(self, keep_weight: bool = False) -> None:
-        if self.weight.dtype != torch.bfloat16:
+        if self.weight.dtype != torch.bfloat16 or keep_weight:  # one matmul on the whole weight, then the op
             return super().pack(keep_weight)
         gate, up = self.weight.detach().chunk(2)
         self.halves = (torch.ops.mkldnn._reorder_linear_weight(gate.contiguous()),

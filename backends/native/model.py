@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
-fused into one matmul each. ``load_weights`` takes tensors under HF names and fills the fused layout.
+fused into one weight each (gate/up packed for oneDNN in bf16: two matmuls chained by their epilogues,
+linear.py). ``load_weights`` takes tensors under HF names and fills the fused layout.
 Under tensor parallelism (parallel.py) each rank builds its shard of every layer and loads its slice of
 every tensor; the all-reduces and the logits gather are the model's only collectives.
 The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
@@ -153,11 +154,11 @@ class LlamaModel(nn.Module):
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
-        return self.logits(x, residual, meta)
+        return self.logits(x, residual, meta.logits_indices)
 
-    def logits(self, x: torch.Tensor, residual: torch.Tensor, meta: StepMetadata) -> torch.Tensor | None:
-        """fp32 logits of the rows ``meta.logits_indices`` from the last layer's output and residual stream."""
-        x, _ = self.norm(x[meta.logits_indices], residual[meta.logits_indices])
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of ``rows`` (int64 indices) from the last layer's output and residual stream."""
+        x, _ = self.norm(x[rows], residual[rows])
         logits = self.tp.gather_columns(self.lm_head(x))
         return None if logits is None else logits[:, :self.config.vocab_size].float()
 

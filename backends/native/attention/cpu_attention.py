@@ -4,9 +4,9 @@ cpu_kernels.py).
 Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguous copy before two
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
 (5-8x faster per layer here). Prefill: a tiled causal kernel over the same cache, for chunks with or
-without a cached prefix, a tile of up to 64 query rows as vector lanes against keys and values read in
-place: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys (fp32,
-4 x 512 tokens of SmolLM2's layout on an AVX-512 Xeon: 5.6 ms per layer, SDPA 8.2, this kernel's previous
+without a cached prefix, a tile of query rows (64 with AVX-512) as vector lanes against keys and values read
+in place: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys (fp32,
+4 x 512 tokens of SmolLM2's layout on an AVX-512 Xeon: 5.6-5.7 ms per layer, SDPA 9.2, this kernel's previous
 design with transposed keys 8.8).
 In bf16 on a CPU with AMX tiles, prefill chunks go to a flash-attention kernel on the tiles instead
 (``amx_prefill``; csrc/prefill_attention_amx.c): 2.5 ms per layer on 4 x 512 tokens of SmolLM2's layout

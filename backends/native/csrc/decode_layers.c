@@ -65,32 +65,30 @@ static int linear(const struct step_shape *s, const void *x, const void *w, cons
     return 0;
 }
 
-/* Run every layer; returns 0, or nonzero where a kernel refused its layout (the caller runs eagerly). */
+#define RUN(call) do { const int rc = (call); if (rc) return rc; } while (0)
+
+/* Run every layer; returns 0, or nonzero as soon as a kernel refuses its layout (fused_decode.py checks the
+ * layout up front, and raises if one does: the KV cache and `hidden` are written by then). */
 int decode_layers(const struct layer_weights *layers, int64_t num_layers, const struct step_shape *s,
                   const struct step_buffers *b, const struct step_tokens *t) {
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, hidden_bytes = s->rows * s->hidden * (s->is_bf16 ? 2 : 4);
-    int rc = 0;
-    for (int64_t l = 0; l < num_layers && !rc; l++) {
+    memcpy(b->residual, b->hidden, hidden_bytes); /* the residual stream starts as the embeddings */
+    for (int64_t l = 0; l < num_layers; l++) {
         const struct layer_weights *w = &layers[l];
-        if (l == 0) { /* the residual stream starts as the embeddings */
-            memcpy(b->residual, b->hidden, hidden_bytes);
-            rc |= add_rms_norm(b->hidden, NULL, w->input_norm, b->hidden, s->rows, s->hidden, s->eps, s->is_bf16);
-        } else {
-            rc |= add_rms_norm(b->hidden, b->residual, w->input_norm, b->hidden, s->rows, s->hidden, s->eps,
-                               s->is_bf16);
-        }
-        rc |= linear(s, b->hidden, w->qkv, w->qkv_scales, w->qkv_bias, b->qkv, qkv_size, s->hidden);
-        rc |= rotary_store_kv(b->qkv, qkv_size, t->cos, t->sin, w->k_cache, w->v_cache, t->slot_mapping, s->rows,
-                              s->num_heads, s->num_kv_heads, s->head_dim, s->num_blocks * s->block_size, s->is_bf16);
-        rc |= paged_decode_attention(b->qkv, qkv_size, w->k_cache, w->v_cache, t->block_tables, t->table_stride,
-                                     t->context_lens, b->attn, s->rows, s->num_heads, s->num_kv_heads, s->num_blocks,
-                                     s->block_size, s->head_dim, s->scale, s->is_bf16);
-        rc |= linear(s, b->attn, w->o, w->o_scales, NULL, b->hidden, s->hidden, q_size);
-        rc |= add_rms_norm(b->hidden, b->residual, w->post_norm, b->hidden, s->rows, s->hidden, s->eps, s->is_bf16);
-        rc |= linear(s, b->hidden, w->gate_up, w->gate_up_scales, NULL, b->gate_up, 2 * s->intermediate, s->hidden);
-        rc |= silu_and_mul(b->gate_up, b->act, s->rows, s->intermediate, s->is_bf16);
-        rc |= linear(s, b->act, w->down, w->down_scales, NULL, b->hidden, s->hidden, s->intermediate);
+        RUN(add_rms_norm(b->hidden, l ? b->residual : NULL, w->input_norm, b->hidden, s->rows, s->hidden, s->eps,
+                         s->is_bf16));
+        RUN(linear(s, b->hidden, w->qkv, w->qkv_scales, w->qkv_bias, b->qkv, qkv_size, s->hidden));
+        RUN(rotary_store_kv(b->qkv, qkv_size, t->cos, t->sin, w->k_cache, w->v_cache, t->slot_mapping, s->rows,
+                            s->num_heads, s->num_kv_heads, s->head_dim, s->num_blocks * s->block_size, s->is_bf16));
+        RUN(paged_decode_attention(b->qkv, qkv_size, w->k_cache, w->v_cache, t->block_tables, t->table_stride,
+                                   t->context_lens, b->attn, s->rows, s->num_heads, s->num_kv_heads, s->num_blocks,
+                                   s->block_size, s->head_dim, s->scale, s->is_bf16));
+        RUN(linear(s, b->attn, w->o, w->o_scales, NULL, b->hidden, s->hidden, q_size));
+        RUN(add_rms_norm(b->hidden, b->residual, w->post_norm, b->hidden, s->rows, s->hidden, s->eps, s->is_bf16));
+        RUN(linear(s, b->hidden, w->gate_up, w->gate_up_scales, NULL, b->gate_up, 2 * s->intermediate, s->hidden));
+        RUN(silu_and_mul(b->gate_up, b->act, s->rows, s->intermediate, s->is_bf16));
+        RUN(linear(s, b->act, w->down, w->down_scales, NULL, b->hidden, s->hidden, s->intermediate));
     }
-    return rc;
+    return 0;
 }

@@ -9,13 +9,15 @@
  * pairs without widening where the CPU has AVX512-BF16, the softmax update runs on the vector, and each
  * value row is loaded once for the whole group. Where the CPU has AMX tiles (and the build knows them),
  * bf16 caches go through two tile products per 16 keys instead (attend_block_amx).
- * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of up to 64 query
- * rows), holding its queries, scores and outputs with the rows as vector lanes; keys and values are read as
- * rows, 32 keys per slice, each element broadcast against the rows (register blocks of 4 keys or 4 output
- * columns by 4 row vectors), and the online softmax runs down the keys, one row per lane.
+ * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of up to 4 vectors
+ * of query rows: 64 with AVX-512), holding its queries, scores and outputs with the rows as vector lanes;
+ * keys and values are read as rows, 32 keys per slice, each element broadcast against the rows (register
+ * blocks of 4 keys or 4 output columns by the row vectors with AVX-512, 2 elsewhere), and the online softmax
+ * runs down the keys, one row per lane.
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
- * Sums are fp32; bf16 storage is widened block by block (or multiplied in pairs, above). Built and loaded by cpu_kernels.py;
+ * Sums are fp32; bf16 storage is widened block by block in decode (or multiplied in pairs, above), slice by
+ * slice in prefill. Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
  */
 

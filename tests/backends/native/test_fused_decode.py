@@ -40,15 +40,16 @@ def _runner(model_path, eager: bool, **fields) -> ModelRunner:
 
 
 def _steps() -> list[Batch]:
-    """A prefill of three prompts, two decode steps of all three, then one of the first alone."""
+    """A prefill of three prompts, two decode steps of all three (the second samples the first and last only),
+    then one of the first alone."""
     prompts = [list(range(100, 137)), list(range(200, 205)), list(range(300, 316))]
     prefill, tables = prefill_batch(prompts, BLOCK_SIZE, spare=8)
     lens = [len(p) for p in prompts]
     steps = [prefill]
-    for token in (7, 8):
+    for token, sample in ((7, [True] * 3), (8, [True, False, True])):
         slots = [t[n // BLOCK_SIZE] * BLOCK_SIZE + n % BLOCK_SIZE for t, n in zip(tables, lens)]
         steps.append(Batch([token + i for i in range(3)], lens, slots, [1, 1, 1], [n + 1 for n in lens], tables,
-                           [True] * 3))
+                           sample))
         lens = [n + 1 for n in lens]
     slot = tables[0][lens[0] // BLOCK_SIZE] * BLOCK_SIZE + lens[0] % BLOCK_SIZE
     steps.append(Batch([9], [lens[0]], [slot], [1], [lens[0] + 1], tables[:1], [True]))
@@ -65,7 +66,7 @@ def test_a_fused_decode_step_leaves_the_eager_steps_logits_and_kv_cache(tiny_mod
     fused.fused.run = lambda *args: fused_steps.append(len(args[0])) or run(*args)
     for batch in _steps():
         expected, got = eager.execute(batch), fused.execute(batch)
-        assert torch.equal(got, expected)
+        assert got.shape[0] == sum(batch.sample) and torch.equal(got, expected)
     assert fused_steps == [3, 3, 1]  # the prefill ran eagerly, every decode step fused
     for eager_cache, fused_cache in zip(eager.kv_caches, fused.kv_caches):
         for expected, got in zip(eager_cache, fused_cache):  # all but the scratch block the eager padding writes

@@ -39,3 +39,26 @@ def test_bf16_prefill_on_the_amx_tiles_answers_as_the_vector_kernel_does():
     vectors = cpu_attention._run(lib.paged_prefill_attention, *args)
     torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
     assert lib.paged_prefill_attention_amx(*([0] * 16), 0.1, 0) == 1  # fp32 (is_bf16 0): not its to run
+
+
+@pytest.mark.parametrize("dtype, amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-vector", "bf16-tiles"])
+def test_a_long_prompts_first_keys_keep_their_weight(dtype, amx):
+    # Equal scores over 4096 keys, values 1 on the first 32 and 0 after: each query at position p answers
+    # 32 / (p + 1). The online softmax rescales what it has summed at every slice of keys, so a rescale that
+    # is not exactly 1 when the maximum stays put (the tile kernel's cubic exp had exp(0) = 0.99993) compounds
+    # over the prompt and shrinks the first keys' weight (by ~1% here).
+    lib = cpu_kernels.load()
+    if lib is None or (amx and not lib.prefill_attention_amx_supported(3, 1, 64, 16)):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    keys, new = 4096, 16
+    k_cache = torch.zeros(1, keys // 16, 16, 64, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    v_cache[:, :2] = 1  # blocks 0 and 1: keys 0-31
+    tables = torch.arange(keys // 16).view(1, -1)
+    q = torch.randn(new, 3, 64).to(dtype)
+    out = cpu_attention.paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor([0]), torch.tensor([new]),
+                                                torch.tensor([keys]), 0.125, amx=amx)
+    positions = torch.arange(keys - new, keys, dtype=torch.float64)
+    expected = (32 / (positions + 1))[:, None, None].expand(new, 3, 64)
+    torch.testing.assert_close(out.double(), expected, rtol=4e-3, atol=0)
