@@ -6,10 +6,12 @@ Two steps of the native engine on the embedded SmolLM2 (its model runner, the ke
   decode:  ``--batch`` sequences at context ``--context``, one new token each.
 Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
 model's own modules and kernels: the four linear projections over all layers (gate/up with its SiLU-and-mul,
-which in bf16 oneDNN's epilogues compute), attention, the layer ops (RMSNorm + residual, rotary + KV store),
-the LM head on the sampled rows; "rest" is the
+which oneDNN's epilogues compute in bf16 steps above the tile rows), attention, the layer ops (RMSNorm +
+residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
-its own noise, so a small negative rest means "nothing measurable"). Model FLOP/s counts 2 x parameters x tokens
+its own noise, so a small negative rest means "nothing measurable"). A decode step that runs fused
+(fused_decode.py: up to 64 sequences on AMX tiles, 128 on fp32 strips) has its parts timed layer by layer
+from Python all the same, so its rest leaves out the Python the fused step saves. Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
 a large matmul of the engine's dtype measured in the same run. For the C attention kernel the script also times SDPA's
 causal kernel on the prefill's shape (keys and values contiguous, so it gets no paged-cache gather).
