@@ -52,8 +52,9 @@ class StepTokens(ctypes.Structure):
 def _weight_kind(linears: list[Linear]) -> int | None:
     """The one kind of small-step copy every linear layer has, or None."""
     if all(m.tiles is not None for m in linears):
-        return INT8_TILES if all(m.is_int8 for m in linears) else BF16_TILES if not any(m.is_int8 for m in linears) \
-            else None
+        if all(m.is_int8 for m in linears):
+            return INT8_TILES
+        return None if any(m.is_int8 for m in linears) else BF16_TILES
     return FP32_STRIPS if all(m.strips is not None for m in linears) else None
 
 
@@ -81,7 +82,6 @@ class FusedDecode:
         self.model = model
         self.max_rows = STRIP_ROWS if kind == FP32_STRIPS else TILE_ROWS
         cfg, attn, mlp = model.config, model.layers[0].self_attn, model.layers[0].mlp
-        self.dtype = model.embed_tokens.weight.dtype
         copy = "strips" if kind == FP32_STRIPS else "tiles"
 
         def weights(m: Linear) -> tuple[int, int | None]:
@@ -100,7 +100,8 @@ class FusedDecode:
         _, num_blocks, block_size, _ = kv_caches[0][0].shape
         self.shape = StepShape(0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                mlp.intermediate_size, num_blocks, block_size, cfg.rms_norm_eps, attn.scale,
-                               DTYPE_FLAGS[self.dtype], kind, scales is not None and scales.dtype == torch.bfloat16)
+                               DTYPE_FLAGS[model.embed_tokens.weight.dtype], kind,
+                               scales is not None and scales.dtype == torch.bfloat16)
         self.sizes = {"qkv": attn.q_size + 2 * attn.kv_size, "attn": attn.q_size, "gate_up": 2 * mlp.intermediate_size,
                       "act": mlp.intermediate_size}
 
