@@ -9,7 +9,7 @@ in place: no gather of cached prefixes, and faster than torch's causal SDPA kern
 4 x 512 tokens of SmolLM2's layout on an AVX-512 Xeon: 5.6-5.7 ms per layer, SDPA 9.2, this kernel's previous
 design with transposed keys 8.8).
 In bf16 on a CPU with AMX tiles, prefill chunks go to a flash-attention kernel on the tiles instead
-(``amx_prefill``; csrc/prefill_attention_amx.c): 2.5 ms per layer on 4 x 512 tokens of SmolLM2's layout
+(``amx_prefill``; csrc/prefill_attention_amx.c): 2.0-2.5 ms per layer on 4 x 512 tokens of SmolLM2's layout
 on a Xeon, where torch's flash kernel (oneDNN brgemm on the tiles, which the engine used before) took 3.3
 and the vector kernel 5.5 (8.1 before its redesign); whole bf16 prefill steps of 2048 tokens ran ~10% faster
 than on torch's.
