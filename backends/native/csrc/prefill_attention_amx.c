@@ -9,9 +9,10 @@
  * so each row's online softmax (running maximum and sum, causal mask) runs down the key vectors with no
  * reduction across lanes, and its rescale is one vector. The probabilities are rounded to bf16 (as GPU
  * flash attention does), interleaved in key pairs (the B operand of the output) and multiplied into the
- * values per 16 dimensions into the fp32 output, dimension by row, which stays in four tiles at head sizes
- * up to 64: a row's maximum is raised lazily (only when a step's exceeds it by more than RESCALE_SLACK), so
- * the output leaves the tiles to be rescaled only then; larger heads accumulate it in memory.
+ * values per 16 dimensions into the fp32 output, dimension by row, which stays in up to four tiles at head
+ * sizes up to 64: the rows' maxima are raised lazily (only when some row's step maximum exceeds its own by more
+ * than RESCALE_SLACK), so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
+ * memory.
  * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 2.0 ms per layer (2.3 rescaling the output in memory
  * at every step); torch's flash kernel, which the engine used before, 3.3-3.6; the vector kernel of
  * paged_attention.c 5.5 (8.1 before its rows-as-lanes design).
@@ -35,7 +36,8 @@
 int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
 #if defined(HAVE_AMX_BF16)
     return amx_permitted() && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           num_heads / num_kv_heads <= ROWS && head_dim % 32 == 0 && head_dim <= MAX_DIM && block_size > 0;
+           num_heads / num_kv_heads <= ROWS && head_dim > 0 && head_dim % 32 == 0 && head_dim <= MAX_DIM &&
+           block_size > 0;
 #else
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
     return 0;
@@ -52,9 +54,10 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
 #define T_O2 6
 #define T_O3 7
 #define RESIDENT_DIM 64
-/* A row's running maximum is raised only when a step's exceeds it by more than RESCALE_SLACK (with the exp): its
- * probabilities stay under e^8 (fine in bf16 and in fp32 sums), and the output, rescaled only then, stays in
- * the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens against rescaling it in memory at every step). */
+/* The rows' running maxima are raised only when some row's step maximum exceeds its own by more than
+ * RESCALE_SLACK (see exp_up_to_slack); then every row takes its step's maximum where that is higher. So
+ * probabilities stay under e^8 (fine in bf16 and in fp32 sums), and the output, rescaled only on a raise, stays
+ * in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens against rescaling it in memory at every step). */
 
 /* exp(x) for x <= RESCALE_SLACK (a probability against a maximum raised lazily, below) to ~1.1e-4 relative,
  * below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^(x log2 e) as 2^round
@@ -162,6 +165,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
             if (resident && n0 > 0) O_TILES(O_STORE);
             if (!resident || n0 > 0)
                 for (int64_t i = 0; i < d; i++) _mm512_store_ps(o[i], _mm512_mul_ps(_mm512_load_ps(o[i]), alpha));
+            __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
             if (resident && n0 > 0) O_TILES(O_LOAD);
         }
         __m512 sum = _mm512_setzero_ps();
@@ -173,6 +177,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
             _mm512_store_si512((__m512i *)pt[t / 2], _mm512_permutexvar_epi16(pairs, pair));
         }
         l = _mm512_add_ps(l, sum);
+        __asm__ volatile("" ::: "memory"); /* as above: pt is written before the tile load reads it */
         _tile_loadd(T_B, &pt[0][0], 64);
         if (resident) {
             O_TILES(O_PRODUCT);

@@ -118,14 +118,17 @@ def test_the_c_kernels_take_any_block_size_and_head_size(block_size, hq, hkv, d)
 
 @pytest.mark.parametrize("make_backend", CPU_ONLY, ids=["c-cpu", "c-cpu-vector-prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scores_hundreds_apart_give_the_softmax_answer(make_backend, dtype):
+@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 32), (9, 3, 64), (8, 2, 128)])
+def test_scores_hundreds_apart_give_the_softmax_answer(make_backend, dtype, hq, hkv, d):
     # Real layers have keys that score hundreds above the rest (attention sinks): probabilities of e^-100 and
-    # below, whose products with values would be denormals, count as 0 (the C prefill kernel flushes them)
-    (q, k, v, k_cache, v_cache), batch = make_step(9, 3, 64, dtype, torch.device("cpu"))
+    # below, whose products with values would be denormals, count as 0 (the C prefill kernel flushes them);
+    # the tile kernel raises its running maxima by jumps of more than 8 mid-prompt, with its output in tiles
+    # (head sizes 32, 64) or in memory (128)
+    (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, dtype, torch.device("cpu"))
     q = q * 40
     backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
-    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), 64 ** -0.5)
-    expected = reference(q, k_cache, v_cache, batch, 64 ** -0.5)
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), d ** -0.5)
+    expected = reference(q, k_cache, v_cache, batch, d ** -0.5)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # fp32 scores of ~100 carry rounding of ~1e-5
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 

@@ -45,9 +45,9 @@ def test_bf16_prefill_on_the_amx_tiles_answers_as_the_vector_kernel_does():
                          ids=["fp32", "bf16-vector", "bf16-tiles"])
 def test_a_long_prompts_first_keys_keep_their_weight(dtype, amx):
     # Equal scores over 4096 keys, values 1 on the first 32 and 0 after: each query at position p answers
-    # 32 / (p + 1). The online softmax rescales what it has summed at every slice of keys, so a rescale that
-    # is not exactly 1 when the maximum stays put (the tile kernel's cubic exp had exp(0) = 0.99993) compounds
-    # over the prompt and shrinks the first keys' weight (by ~1% here).
+    # 32 / (p + 1). The vector kernel rescales what it has summed at every slice of keys, so a rescale that is
+    # not exactly 1 when the maximum stays put would compound over the prompt and shrink the first keys' weight
+    # (the tile kernel's first cubic exp had exp(0) = 0.99993: ~1% here, before it raised maxima lazily)
     lib = cpu_kernels.load()
     if lib is None or (amx and not lib.prefill_attention_amx_supported(3, 1, 64, 16)):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
