@@ -23,7 +23,6 @@ from backends.native.cpu_kernels import DTYPE_FLAGS, library
 from backends.native.layer_ops import CpuLayerOps
 from backends.native.linear import STRIP_ROWS, TILE_ROWS, Linear
 from backends.native.model import LlamaModel
-from backends.native.row_buckets import padded_rows
 
 BF16_TILES, INT8_TILES, FP32_STRIPS = 0, 1, 2  # csrc/decode_layers.c's weight_kind
 
@@ -110,7 +109,9 @@ class FusedDecode:
         return batch.num_decodes == len(batch.query_lens) and 0 < batch.num_decodes <= self.max_rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: CpuMetadata) -> torch.Tensor:
-        """The step's fp32 logits [sampled rows, vocab], as ``LlamaModel.forward`` returns them."""
+        """The step's fp32 logits [rows of ``meta.logits_indices``, vocab], as ``LlamaModel.forward`` returns them
+        (the runner pads those rows to a bucket, as for an eager step: an LM head without a small-step copy runs
+        on oneDNN, compiled for the buckets only)."""
         model, rows = self.model, len(input_ids)
         hidden = model.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
@@ -123,8 +124,4 @@ class FusedDecode:
         if library().decode_layers(self.layers, len(self.layers), ctypes.byref(self.shape), ctypes.byref(buffers),
                                    ctypes.byref(tokens)):
             raise RuntimeError("decode_layers: a kernel refused the model's layout")
-        # The LM head sees a bucketed row count, as in an eager step (row_buckets.py): where it has no small-step
-        # copy (a vocabulary not a multiple of 16), oneDNN compiled its matmul for those counts only.
-        indices, n = meta.logits_indices, len(meta.logits_indices)
-        indices = torch.cat([indices, indices.new_zeros(padded_rows(n) - n)])
-        return model.logits(hidden, residual, indices)[:n]
+        return model.logits(hidden, residual, meta.logits_indices)

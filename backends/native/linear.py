@@ -169,7 +169,7 @@ class Linear(nn.Linear):
             y = strip_matmul(x, self.strips)
             return y if self.bias is None else y + self.bias
         if self.packed is not None:  # the default CPU path next: no parameter lookups before it
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _linear(x, self.packed, self.bias)
         if self.is_int8:
             y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
@@ -202,7 +202,7 @@ class GateUpLinear(Linear):
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where the epilogues do not run."""
         if self.halves is not None and not self._reads_tiles(x):
             gate, up = self.halves
-            return _linear(x, gate, "swish", up)
+            return _linear(x, gate, activation="swish", times=up)
         return ops.silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -211,11 +211,11 @@ class GateUpLinear(Linear):
         return super().forward(x)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, activation: str = "none", times: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """oneDNN's matmul on a packed weight, ``activation`` applied to its sums; with ``times`` (a second packed
-    weight), that result multiplies x @ times.T in the second matmul's epilogue."""
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, activation, [], "")
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
+            times: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's matmul on a packed weight (plus ``bias``), ``activation`` applied to its sums; with ``times`` (a
+    second packed weight), that result multiplies x @ times.T in the second matmul's epilogue."""
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
     return y if times is None else torch.ops.mkldnn._linear_pointwise.binary(x, y, times, None, "mul")
 
 

@@ -186,12 +186,12 @@ class ModelRunner:
             return self.graphs.run(batch)
         attention = self.kernels.attention
         meta = attention.build(batch)
-        if self.fused is not None and self.fused.can_run(batch):
-            return self.fused.run(self._ids(batch.token_ids), self._ids(batch.positions), meta)
+        fused = self.fused is not None and self.fused.can_run(batch)
         ids, positions, logits_rows = batch.token_ids, batch.positions, len(meta.logits_indices)
-        if self.pad_rows:
-            padding = [0] * (padded_rows(len(ids)) - len(ids))
+        if self.pad_rows:  # a fused step's kernels take any row count: only its LM head's rows are bucketed
+            padding = [] if fused else [0] * (padded_rows(len(ids)) - len(ids))
             ids, positions = ids + padding, positions + padding
             attention.pad(meta, len(ids), padded_rows(logits_rows))
-        logits = self.model(self._ids(ids), self._ids(positions), self.kv_caches, meta)
+        ids, positions = self._ids(ids), self._ids(positions)
+        logits = self.fused.run(ids, positions, meta) if fused else self.model(ids, positions, self.kv_caches, meta)
         return logits if logits is None else logits[:logits_rows]
