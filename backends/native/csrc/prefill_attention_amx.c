@@ -12,10 +12,14 @@
  * values per 16 dimensions into the fp32 output, dimension by row, which stays in up to four tiles at head
  * sizes up to 64: the rows' maxima are raised lazily (only when some row's step maximum exceeds its own by more
  * than RESCALE_SLACK), so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
- * memory.
- * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 2.0 ms per layer (2.3 rescaling the output in memory
- * at every step); torch's flash kernel, which the engine used before, 3.3-3.6; the vector kernel of
- * paged_attention.c 5.5 (8.1 before its rows-as-lanes design).
+ * memory. Each step's score products are issued before the previous step's softmax, so the tile unit works
+ * while the vector units do; the softmax scales, masks (only in steps that cross the first row's position)
+ * and exponentiates in one pass, in base 2, under flush-to-zero. Queries, values and the output change
+ * layout by 16 x 16 transposes of 32-bit pairs in registers.
+ * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 1.4 ms per layer (1.9 with a separate scale-and-mask
+ * pass, scores taken after the softmax and scalar transposes; 2.3 rescaling the output in memory at every
+ * step); torch's flash kernel, which the engine used before, 3.3-3.6; the vector kernel of paged_attention.c
+ * 5.5 (8.1 before its rows-as-lanes design).
  * Built and loaded by cpu_kernels.py; attention/cpu_attention.py calls it.
  */
 
@@ -55,26 +59,25 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
 #define T_O3 7
 #define RESIDENT_DIM 64
 /* The rows' running maxima are raised only when some row's step maximum exceeds its own by more than
- * RESCALE_SLACK (see exp_up_to_slack); then every row takes its step's maximum where that is higher. So
+ * RESCALE_SLACK (see exp2_up_to_slack); then every row takes its step's maximum where that is higher. So
  * probabilities stay under e^8 (fine in bf16 and in fp32 sums), and the output, rescaled only on a raise, stays
  * in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens against rescaling it in memory at every step). */
 
-/* exp(x) for x <= RESCALE_SLACK (a probability against a maximum raised lazily, below) to ~1.1e-4 relative,
- * below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^(x log2 e) as 2^round
- * times a cubic of the rest (fitted for relative error on [-1/2, 1/2], its constant term 1 so that exp(0) is
- * exactly 1: a rescale of a row whose maximum stays put must be 1, or it compounds over a long prompt's steps).
- * The degree-6 Taylor form took 7% more of the kernel's time; libmvec's expf a third of it. Below -87: 0. */
+/* 2^t for t <= RESCALE_SLACK * log2 e (a probability against a maximum raised lazily, below, in base 2) to ~1.1e-4
+ * relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^round(t) times a
+ * cubic of the rest (fitted for relative error on [-1/2, 1/2], its constant term 1 so that 2^0 is exactly 1: a
+ * rescale of a row whose maximum stays put must be 1, or it compounds over a long prompt's steps). Far below the
+ * maximum the result underflows to 0 under the kernel's flush-to-zero (set around its tasks), not to a denormal.
+ * The degree-6 Taylor form took 7% more of the kernel's time; libmvec's expf a third of it. */
 #define RESCALE_SLACK 8.0f
-static inline __m512 exp_up_to_slack(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504f));
+static inline __m512 exp2_up_to_slack(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n); /* |f| <= 1/2 */
     __m512 p = _mm512_set1_ps(0.05459282f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24221784f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6933686f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 r = _mm512_scalef_ps(p, n); /* p * 2^n */
-    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_scalef_ps(p, n); /* p * 2^n */
 }
 
 static void configure(void) {
@@ -84,24 +87,62 @@ static void configure(void) {
     _tile_loadconfig(&c);
 }
 
+/* r[i] lane j <-> r[j] lane i, for 16 vectors of 16 32-bit lanes: interleave 32-bit lanes, then 64-bit pairs,
+ * then 128-bit quarters twice. */
+static inline void transpose_16x16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+            t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* bf16 words of two 16-lane vectors a, b (a's, then b's) -> per lane the pair (a, b), a in the low half */
+#define PAIRS _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
+                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+
 /* Keys 0..ctx of one (sequence, KV head) from the paged cache: k[n] as stored (d bf16 each), and vt[i][n / 2]
- * dim i of keys n and n + 1 (one 32-bit pair, the first in the low half); zeros up to `padded` keys. */
+ * dim i of keys n and n + 1 (one 32-bit pair, the first in the low half); zeros up to `padded` keys (a
+ * multiple of STEP). */
 static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx, int64_t padded,
                    int64_t head, int64_t num_blocks, int64_t block_size, int64_t d, uint16_t *k, uint32_t *vt) {
     memset(k + ctx * d, 0, (padded - ctx) * d * 2);
-    memset(vt, 0, padded * d * 2);
-    uint16_t *vt16 = (uint16_t *)vt;
-    for (int64_t n0 = 0; n0 < ctx; n0 += 16) { /* 16 keys at a time: each dim's 16 values land side by side */
-        const int64_t nn = ctx - n0 < 16 ? ctx - n0 : 16;
-        const uint16_t *v[16];
+    const __m512i pairs = PAIRS;
+    for (int64_t n0 = 0; n0 < ctx; n0 += 32) { /* 32 keys at a time: per dim, their 16 pairs make one vector */
+        const int64_t nn = ctx - n0 < 32 ? ctx - n0 : 32;
+        const uint16_t *v[32];
         for (int64_t t = 0; t < nn; t++) {
             const int64_t n = n0 + t;
             const int64_t row = ((head * num_blocks + table[n / block_size]) * block_size + n % block_size) * d;
             memcpy(k + n * d, k_cache + row, d * 2);
             v[t] = v_cache + row;
         }
-        for (int64_t i = 0; i < d; i++)
-            for (int64_t t = 0; t < nn; t++) vt16[i * padded + n0 + t] = v[t][i]; /* pair (n, n + 1) at n / 2 */
+        for (int64_t i0 = 0; i0 < d; i0 += 16) {
+            __m512i x[16]; /* key pair p: lane i its dim i0 + i */
+            for (int64_t p = 0; p < 16; p++) {
+                const __m256i a = 2 * p < nn ? _mm256_loadu_si256((const __m256i *)(v[2 * p] + i0)) : _mm256_setzero_si256();
+                const __m256i b = 2 * p + 1 < nn ? _mm256_loadu_si256((const __m256i *)(v[2 * p + 1] + i0))
+                                                 : _mm256_setzero_si256();
+                x[p] = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+            }
+            transpose_16x16(x);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(vt + (i0 + i) * (padded / 2) + n0 / 2, x[i]);
+        }
     }
 }
 
@@ -112,6 +153,19 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
 #define O_ZERO(J, T) _tile_zero(T)
 #define O_PRODUCT(J, T) do { _tile_loadd(T_A, vt + (16 * (J)) * (padded / 2) + n0 / 2, padded * 2); \
                              _tile_dpbf16ps(T, T_A, T_B); } while (0)
+
+/* The scores of keys [N0, N0 + STEP) for the task's rows, transposed: keys by rows, in T_S0 and T_S1. */
+#define SCORES(N0) do {                                                   \
+        _tile_zero(T_S0);                                                 \
+        _tile_zero(T_S1);                                                 \
+        for (int64_t c = 0; c < d / 32; c++) {                            \
+            _tile_loadd(T_B, &qt[16 * c][0], 64);                         \
+            _tile_loadd(T_A, k + (N0) * d + 32 * c, d * 2);               \
+            _tile_dpbf16ps(T_S0, T_A, T_B);                               \
+            _tile_loadd(T_A, k + ((N0) + 16) * d + 32 * c, d * 2);        \
+            _tile_dpbf16ps(T_S1, T_A, T_B);                               \
+        }                                                                 \
+    } while (0)
 
 /* One task: query rows [0, rows) (bf16, d wide, ROWS rows in qbuf) against keys [0, keys), row r seeing keys
  * up to pos[r]; the normalised output rows into out_rows[r] (bf16). Scores are taken transposed (keys by
@@ -126,40 +180,39 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
     uint32_t pt[STEP / 2][ROWS] __attribute__((aligned(64)));      /* key pair, row: bf16 pairs */
     const int resident = d <= RESIDENT_DIM;
     const int64_t nt = d / 16; /* output tiles (resident: at most 4) */
-    for (int64_t p = 0; p < d / 2; p++)
-        for (int64_t r = 0; r < ROWS; r++) memcpy(&qt[p][r], qbuf + r * d + 2 * p, 4);
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* rows of 16 dim pairs -> dim pairs of 16 rows */
+        __m512i x[16];
+        for (int64_t r = 0; r < ROWS; r++) x[r] = _mm512_load_si512(qbuf + r * d + 2 * p0);
+        transpose_16x16(x);
+        for (int64_t p = 0; p < 16; p++) _mm512_store_si512(qt[p0 + p], x[p]);
+    }
     if (resident) O_TILES(O_ZERO);
     else for (int64_t i = 0; i < d; i++) _mm512_store_ps(o[i], _mm512_setzero_ps());
-    __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps();
+    __m512 m = _mm512_set1_ps(-FLT_MAX), l = _mm512_setzero_ps(); /* m in raw scores: scale > 0 keeps their order */
     int32_t pos32[ROWS];
     for (int64_t r = 0; r < ROWS; r++) pos32[r] = (int32_t)pos[r];
     const __m512i row_pos = _mm512_loadu_si512(pos32);
-    const __m512 sc = _mm512_set1_ps(scale), neg = _mm512_set1_ps(-FLT_MAX), slack = _mm512_set1_ps(RESCALE_SLACK);
-    /* bf16 words of two 16-row vectors a, b (a's, then b's) -> per row the pair (a, b) */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), slack = _mm512_set1_ps(RESCALE_SLACK / scale);
+    const __m512i pairs = PAIRS;
+    SCORES(0);
     for (int64_t n0 = 0; n0 < keys; n0 += STEP) {
-        _tile_zero(T_S0);
-        _tile_zero(T_S1);
-        for (int64_t c = 0; c < d / 32; c++) {
-            _tile_loadd(T_B, &qt[16 * c][0], 64);
-            _tile_loadd(T_A, k + n0 * d + 32 * c, d * 2);
-            _tile_dpbf16ps(T_S0, T_A, T_B);
-            _tile_loadd(T_A, k + (n0 + 16) * d + 32 * c, d * 2);
-            _tile_dpbf16ps(T_S1, T_A, T_B);
-        }
         _tile_stored(T_S0, &s[0][0], 64);
         _tile_stored(T_S1, &s[16][0], 64);
-        __m512 top = neg;
-        for (int64_t t = 0; t < STEP; t++) { /* key n0 + t is visible to the rows at or past its position */
-            const __mmask16 seen = _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int)(n0 + t)));
-            const __m512 v = _mm512_mask_mul_ps(neg, seen, _mm512_load_ps(s[t]), sc);
-            _mm512_store_ps(s[t], v);
-            top = _mm512_max_ps(top, v);
+        /* The next step's scores: their tile products run while this step's softmax runs on the vector units. */
+        if (n0 + STEP < keys) SCORES(n0 + STEP);
+        /* Rows see keys up to their positions (the first row's is the smallest): only steps past it mask. */
+        const int causal = n0 + STEP - 1 > pos[0];
+        __mmask16 seen[STEP];
+        __m512 top = _mm512_set1_ps(-FLT_MAX);
+        for (int64_t t = 0; t < STEP; t++) {
+            seen[t] = causal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int)(n0 + t))) : 0xffff;
+            top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(s[t]));
         }
         if (_mm512_cmp_ps_mask(top, _mm512_add_ps(m, slack), _CMP_GT_OQ)) { /* raise the maxima, rescale */
             const __m512 m_new = _mm512_max_ps(m, top);
-            const __m512 alpha = exp_up_to_slack(_mm512_sub_ps(m, m_new)); /* exactly 1 where m stays */
+            /* exactly 1 where m stays; 0 before the first key (the floor keeps -FLT_MAX * to_log2 finite) */
+            const __m512 alpha = exp2_up_to_slack(
+                _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, m_new), to_log2), _mm512_set1_ps(-200.0f)));
             l = _mm512_mul_ps(l, alpha);
             m = m_new;
             if (resident && n0 > 0) O_TILES(O_STORE);
@@ -168,10 +221,13 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
             __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
             if (resident && n0 > 0) O_TILES(O_LOAD);
         }
+        const __m512 m_log2 = _mm512_mul_ps(m, to_log2);
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < STEP; t += 2) { /* masked keys: exp(-huge) = 0 */
-            const __m512 a = exp_up_to_slack(_mm512_sub_ps(_mm512_load_ps(s[t]), m));
-            const __m512 b = exp_up_to_slack(_mm512_sub_ps(_mm512_load_ps(s[t + 1]), m));
+        for (int64_t t = 0; t < STEP; t += 2) { /* 2^((s - m) scale log2 e); keys a row does not see: 0 */
+            const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(
+                _mm512_fmsub_ps(_mm512_load_ps(s[t]), to_log2, m_log2)));
+            const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(
+                _mm512_fmsub_ps(_mm512_load_ps(s[t + 1]), to_log2, m_log2)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
             const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */
             _mm512_store_si512((__m512i *)pt[t / 2], _mm512_permutexvar_epi16(pairs, pair));
@@ -193,16 +249,17 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
         }
     }
     if (resident) O_TILES(O_STORE);
-    float out[ROWS][MAX_DIM] __attribute__((aligned(64)));
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
-    for (int64_t i = 0; i < d; i++) {
-        float col[ROWS] __attribute__((aligned(64)));
-        _mm512_store_ps(col, _mm512_mul_ps(_mm512_load_ps(o[i]), inv));
-        for (int64_t r = 0; r < ROWS; r++) out[r][i] = col[r];
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* 16 dim pairs of all rows, normalised, then by row */
+        __m512i x[16];
+        for (int64_t p = 0; p < 16; p++) {
+            const __m512 a = _mm512_mul_ps(_mm512_load_ps(o[2 * (p0 + p)]), inv);
+            const __m512 b = _mm512_mul_ps(_mm512_load_ps(o[2 * (p0 + p) + 1]), inv);
+            x[p] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a)); /* lane r: row r's pair */
+        }
+        transpose_16x16(x);
+        for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512(out_rows[r] + 2 * p0, x[r]);
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < d; i += 16)
-            _mm256_storeu_si256((__m256i *)(out_rows[r] + i), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out[r] + i)));
 }
 #endif
 
@@ -214,7 +271,9 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
                                 int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                                 int64_t head_dim, float scale, int is_bf16) {
 #if defined(HAVE_AMX_BF16)
-    if (!is_bf16 || !prefill_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size)) return 1;
+    /* scale > 0: the running maxima are kept on unscaled scores */
+    if (!is_bf16 || !(scale > 0) || !prefill_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size))
+        return 1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = ROWS / group;
     int64_t *offset = malloc((num_seqs + 1) * sizeof *offset); /* each sequence's gathered keys, in elements */
     if (!offset) return -2;
@@ -239,6 +298,10 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
             }
         }
         configure();
+        /* Flush-to-zero and denormals-are-zero for the softmax: probabilities far below a row's maximum underflow
+         * to 0 instead of to denormals, whose arithmetic takes microcode assists (and masked keys need no clamp). */
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
@@ -257,6 +320,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
             }
             attend_tile(qbuf, rows, pos, prefix + first_q + nq, keys + 2 * at, values + at, padded, d, scale, out_rows);
         }
+        _mm_setcsr(csr);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */
     }
     free(keys), free(values), free(offset);
