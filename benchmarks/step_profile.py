@@ -6,15 +6,17 @@ Two steps of the native engine on the embedded SmolLM2 (its model runner, the ke
   decode:  ``--batch`` sequences at context ``--context``, one new token each.
 Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
 model's own modules and kernels: the four linear projections over all layers (gate/up with its SiLU-and-mul,
-which oneDNN's epilogues compute in bf16 steps above the tile rows), attention, the layer ops (RMSNorm +
+which the tile kernel's rounding pass computes in bf16 on AMX), attention, the layer ops (RMSNorm +
 residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
 its own noise, so a small negative rest means "nothing measurable"). A decode step that runs fused
 (fused_decode.py: up to 64 sequences on AMX tiles, 128 on fp32 strips) has its parts timed layer by layer
 from Python all the same, so its rest leaves out the Python the fused step saves. Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
-a large matmul of the engine's dtype measured in the same run. For the C attention kernel the script also times SDPA's
-causal kernel on the prefill's shape (keys and values contiguous, so it gets no paged-cache gather).
+a large matmul of the engine's dtype measured in the same run (the faster of torch's and, for bf16 on AMX
+tiles, the engine's own tile kernel's, which is faster here: a peak of torch's alone would flatter the engine).
+For the C attention kernel the script also times SDPA's causal kernel on the prefill's shape (keys and values
+contiguous, so it gets no paged-cache gather).
 
     python benchmarks/step_profile.py --save benchmarks/results/step_profile.json
 """
@@ -37,6 +39,7 @@ from peers import run_record  # noqa: E402
 
 from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
+from backends.native.linear import tile_layout, tile_matmul, tiles_serve_all_rows  # noqa: E402
 from backends.native.model_runner import ModelRunner  # noqa: E402
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 
@@ -57,13 +60,17 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(timings(fn, repeats))
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 20) -> float:
-    """FLOP/s of the fastest of ``repeats`` square matmuls: this machine's practical peak for ``dtype``
-    (the fastest, not the mean: on a shared machine the mean measures the neighbours too). ``main`` takes
-    the faster of a measure before and one after the steps: a slow spell during one would inflate MFU."""
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 20) -> dict[str, float]:
+    """FLOP/s of the fastest of ``repeats`` square matmuls, torch's and (bf16 on AMX tiles) the engine's own
+    tile kernel's: the faster is this machine's practical peak for ``dtype`` (the fastest, not the mean: on a
+    shared machine the mean measures the neighbours too). ``main`` takes the faster of a measure before and one
+    after the steps: a slow spell during one would inflate MFU."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    best = min(timed(lambda: torch.mm(a, b), 1) for _ in range(repeats))
-    return 2 * size**3 / best
+    calls = {"torch.mm": lambda: torch.mm(a, b)}
+    if tiles_serve_all_rows(b):
+        tiles = tile_layout(b.t().contiguous())
+        calls["tile kernel"] = lambda: tile_matmul(a, tiles)
+    return {name: 2 * size**3 / min(timed(call, 1) for _ in range(repeats)) for name, call in calls.items()}
 
 
 def make_batch(runner: ModelRunner, query_lens: list[int], context_lens: list[int]) -> Batch:
@@ -155,18 +162,20 @@ def main() -> None:
     args = ap.parse_args()
     config = EngineConfig(dtype=args.dtype, max_model_len=max(args.prompt_len, args.context) + 1)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
-    peak = matmul_peak(runner.dtype)
+    peaks = matmul_peak(runner.dtype)
     steps = {
         "prefill": make_batch(runner, [args.prompt_len] * args.prompts, [args.prompt_len] * args.prompts),
         "decode": make_batch(runner, [1] * args.batch, [args.context] * args.batch),
     }
     results = {name: profile_step(runner, batch, args.repeats) for name, batch in steps.items()}
-    peak = max(peak, matmul_peak(runner.dtype))
+    peaks = {name: max(rate, peaks[name]) for name, rate in matmul_peak(runner.dtype).items()}
+    peak = max(peaks.values())
     for name, r in results.items():
         r["mfu"] = r["model_gflop_s"] * 1e9 / peak
         print(f"\n{name}: {r['sequences']} sequences, {r['tokens']} tokens, step {r['step_s'] * 1000:.1f} ms, "
               f"{r['tokens'] / r['step_s']:.0f} tok/s, model {r['model_gflop_s']:.1f} GFLOP/s = {r['mfu']:.0%} "
-              f"of the matmul peak ({peak / 1e9:.1f} GFLOP/s, {runner.dtype})")
+              f"of the matmul peak ({peak / 1e9:.1f} GFLOP/s, {runner.dtype}; "
+              + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()) + ")")
         for part, p in r["parts"].items():
             rate = f"{p['gflop_s']:7.1f} GFLOP/s" if p["gflop_s"] else ""
             print(f"  {part:16s} {p['s'] * 1000:8.1f} ms  {p['share']:6.1%}  {rate}")
@@ -177,7 +186,9 @@ def main() -> None:
     print(f"\nprefill attention per layer: C paged kernel {c_attention * 1000:.1f} ms, torch SDPA causal "
           f"{sdpa * 1000:.1f} ms ({sdpa / c_attention:.2f}x the kernel's time)")
     if args.save:
-        args.save.write_text(json.dumps({**run_record(), "matmul_peak_gflop_s": peak / 1e9, "dtype": str(runner.dtype),
+        args.save.write_text(json.dumps({**run_record(), "matmul_peak_gflop_s": peak / 1e9,
+                                         "matmul_peaks_gflop_s": {k: v / 1e9 for k, v in peaks.items()},
+                                         "dtype": str(runner.dtype),
                                          "kernels": {"attention": runner.kernels.attention.name},
                                          "sdpa_prefill_attention_per_layer_s": sdpa,
                                          "c_prefill_attention_per_layer_s": c_attention, **results}, indent=2) + "\n")

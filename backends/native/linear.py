@@ -13,12 +13,15 @@ gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row he
 more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call. A
 GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.py).
 
-On CPUs with AMX tiles, bf16 steps of up to ``TILE_ROWS`` rows read a second copy of the weight laid out as
-AMX tiles (``tile_layout``, csrc/tile_linear.c): streamed in order, it is read near the copy bandwidth, where
-oneDNN's matmul on its packed weight is not. int8 weights get the same (widened to bf16 tile by tile) for
-bf16 activations. fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy
-laid out as strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). Either copy doubles the linear
-weights' memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
+On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``, csrc/tile_linear.c). Steps of
+up to ``TILE_ROWS`` rows stream them in order, near the copy bandwidth, where oneDNN's matmul on its packed
+weight is not; larger steps multiply them in cache-sized blocks, faster than oneDNN's matmul on SmolLM2's
+shapes, with SwiGLU's silu(gate) * up in the rounding pass (``tile_silu_mul``). So where a weight's outputs are a
+multiple of 32 the tile layout is its only copy (``tiles_serve_all``); otherwise, and for int8 weights (widened to
+bf16 tile by tile for bf16 activations), it is a second copy for small steps. fp32 weights get the like on CPUs
+with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as strips of 32 output columns
+(``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights' memory, so the model keeps it
+only where it fits easily (``LlamaModel.pack_linear_weights``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
+def tiles_serve_all_rows(weight: torch.Tensor) -> bool:
+    """Whether a tile layout of ``weight`` serves steps of every size (csrc/tile_linear.c's blocked path, for
+    more than ``TILE_ROWS`` rows, takes bf16 weights whose outputs are a multiple of 32), so it can be the only copy."""
+    return weight.dtype == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
+
+
 def can_tile(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can have a tile copy: bf16 (or int8, for bf16 activations) on a CPU with AMX tiles,
     its shape a multiple of 16 x 32."""
@@ -69,6 +78,18 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     (16 column pairs x 16 outputs x 2, 1 KB); the tiles of 16 outputs lie one after the other."""
     n, k = weight.shape
     return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16), rounded
+    as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
+    k, half = x.shape[-1], tiles.shape[0] * 8
+    x = x.contiguous()
+    out = x.new_empty(*x.shape[:-1], half)
+    if cpu_kernels.library().tile_linear_silu_mul(x.data_ptr(), tiles.data_ptr(), out.data_ptr(), x.numel() // k,
+                                                  half, k):
+        raise RuntimeError(f"tile_linear_silu_mul refused a [{2 * half}, {k}] weight")
+    return out
 
 
 def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,7 +153,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
 
     packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for small bf16 steps
+    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for bf16 steps
+    tiles_serve_all = False  # the tiles serve steps of every size: they are the weight's only copy
     strips: torch.Tensor | None = None  # the weight's strip_layout (set before packing), for small fp32 steps
 
     def pack(self, keep_weight: bool = False) -> None:
@@ -158,8 +180,16 @@ class Linear(nn.Linear):
         """The oneDNN-packed copies this layer holds (none before ``pack``, or for int8)."""
         return [] if self.packed is None else [self.packed]
 
+    def use_tiles_only(self, keep_weight: bool = False) -> None:
+        """Serve every step from the weight's tile layout (``tiles_serve_all_rows`` must hold): no packed copy;
+        the float weight is dropped unless ``keep_weight``."""
+        self.tiles, self.tiles_serve_all = tile_layout(self.weight), True
+        if not keep_weight:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def _reads_tiles(self, x: torch.Tensor) -> bool:
-        return self.tiles is not None and x.dtype == torch.bfloat16 and x.numel() <= TILE_ROWS * x.shape[-1]
+        return (self.tiles is not None and x.dtype == torch.bfloat16
+                and (self.tiles_serve_all or x.numel() <= TILE_ROWS * x.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reads_tiles(x):
@@ -180,9 +210,11 @@ class GateUpLinear(Linear):
     """SwiGLU's gate and up projections side by side (``weight`` [2I, k], the gate's rows first), whose one use is
     ``silu_and_mul``: silu(gate) * up [..., I].
 
-    Packed for oneDNN in bf16, the two halves are packed apart and the product comes out of the matmuls'
-    epilogues (swish on the gate's sums, then the up's sums times that), with no [T, 2I] intermediate and no
-    pass of its own: 30 layers of SmolLM2 at 2048 rows 111 -> 94 ms, at 256 rows 19 -> 15.5 ms (AMX Xeon). HF
+    On AMX tiles (``tiles_serve_all``), steps of more than ``TILE_ROWS`` rows get the product from the tile
+    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds: 30 layers of SmolLM2 at 2048 rows 80 ms, where
+    oneDNN's epilogues below took 110 (AMX Xeon). Packed for oneDNN in bf16 (no tiles), the two halves are packed
+    apart and the product comes out of the matmuls' epilogues (swish on the gate's sums, then the up's sums times
+    that), with no [T, 2I] intermediate and no pass of its own: 111 -> 94 ms against one matmul and a pass. HF
     rounds the gate to bf16 before the silu; the epilogue takes the fp32 sums (within one bf16 rounding)."""
 
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the gate's and the up's oneDNN-packed weights
@@ -199,7 +231,9 @@ class GateUpLinear(Linear):
         return [*super().packed_weights(), *(self.halves or ())]
 
     def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
-        """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where the epilogues do not run."""
+        """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
+        if self.tiles_serve_all and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]:
+            return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles).reshape(*x.shape[:-1], -1)
         if self.halves is not None and not self._reads_tiles(x):
             gate, up = self.halves
             return _linear(x, gate, activation="swish", times=up)

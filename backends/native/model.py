@@ -34,6 +34,7 @@ from backends.native.linear import (
     can_tile,
     strip_layout,
     tile_layout,
+    tiles_serve_all_rows,
 )
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
@@ -171,27 +172,40 @@ class LlamaModel(nn.Module):
                 module.backend = kernels.attention
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds (oneDNN-packed and small-step copies included)."""
+        """Bytes of the weights this rank holds (oneDNN-packed copies, tile layouts and small-step copies included)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        packed = [p for m in self.modules() if isinstance(m, Linear) for p in m.packed_weights()]
-        return total + self.small_step_copy_bytes() + sum(p.numel() * p.element_size() for p in packed)
+        packed = sum(p.numel() * p.element_size() for m in linears for p in m.packed_weights())
+        only_tiles = sum(m.tiles.numel() * m.tiles.element_size() for m in linears if m.tiles_serve_all)
+        return total + packed + only_tiles + self.small_step_copy_bytes()
 
     def small_step_copy_bytes(self) -> int:
-        """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none)."""
-        return sum(copy.numel() * copy.element_size() for m in self.modules() if isinstance(m, Linear)
+        """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none): not
+        the tile layouts that are a weight's only copy."""
+        return sum(copy.numel() * copy.element_size() for m in self.modules()
+                   if isinstance(m, Linear) and not m.tiles_serve_all
                    for copy in (m.tiles, m.strips) if copy is not None)
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
-        """Repack every float linear weight for oneDNN where this build can (CPU, fp32/bf16): after loading
-        and casting, since the packed copies replace the weights. Linear weights also get a second copy for
-        small steps (linear.py) where a kernel for it runs here: AMX tiles for bf16 activations (bf16 or int8
-        weights), AVX-512 strips for fp32; kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory
-        available (the container's, where it has a limit). Returns whether it packed."""
+        """Lay out every float linear weight for the fastest matmul this build has (CPU, fp32/bf16): after
+        loading and casting, since the new layouts replace the weights. On CPUs with AMX tiles, bf16 weights whose
+        tile layout serves steps of every size get only that (linear.py); the others are packed for oneDNN, and
+        get a second copy for small steps where a kernel for it runs here: AMX tiles for bf16 activations (bf16
+        or int8 weights), AVX-512 strips for fp32; kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the
+        memory available (the container's, where it has a limit). Returns whether it packed."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        tied = self.lm_head if self.config.tie_word_embeddings else None
+        for module in linears:
+            if tiles_serve_all_rows(module.weight):
+                module.use_tiles_only(keep_weight=module is tied)
+        if any(m.tiles_serve_all for m in linears):
+            log.info("AMX tile layouts serve every step of %d of %d linear layers (no packed copy)",
+                     sum(m.tiles_serve_all for m in linears), len(linears))
+        linears = [m for m in linears if not m.tiles_serve_all]
         if weight.dtype == torch.bfloat16:
             kind, rows, attr, can_copy, layout = "AMX tile", TILE_ROWS, "tiles", can_tile, tile_layout
         else:
@@ -207,7 +221,7 @@ class LlamaModel(nn.Module):
                 setattr(module, attr, layout(module.weight))  # before packing drops the weight
         for module in linears:
             if not module.is_int8:
-                module.pack(keep_weight=module is self.lm_head and self.config.tie_word_embeddings)
+                module.pack(keep_weight=module is tied)
         return True
 
     def to_int8(self) -> None:

@@ -26,4 +26,11 @@ struct tile_config {
     uint16_t colsb[16];
     uint8_t rows[16];
 };
+
+/* Load a configuration. GCC's ldtilecfg declares no memory read, so without the barrier it may drop the
+ * stores that fill the record (it did, inlined into a parallel region: the tile instructions then fault). */
+static inline void load_tile_config(const struct tile_config *c) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(c);
+}
 #endif

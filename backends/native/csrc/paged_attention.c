@@ -244,7 +244,7 @@ static void amx_configure(int64_t group) {
     c.rows[T_PROBS] = group, c.colsb[T_PROBS] = 32;        /* group x 16 probabilities, bf16 */
     c.rows[T_VALUES] = 8, c.colsb[T_VALUES] = 64;          /* 8 key pairs x 16 dims, bf16 pairs */
     c.rows[T_OUT0] = c.rows[T_OUT1] = group, c.colsb[T_OUT0] = c.colsb[T_OUT1] = 64; /* group x 16 dims, fp32 */
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* The group's bf16 queries as the B operand of q . k: row r of dims chunk c holds, per head, dims

@@ -84,7 +84,7 @@ static void configure(void) {
     struct tile_config c = {0};
     c.palette = 1;
     for (int t = T_A; t <= T_O3; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* r[i] lane j <-> r[j] lane i, for 16 vectors of 16 32-bit lanes: interleave 32-bit lanes, then 64-bit pairs,

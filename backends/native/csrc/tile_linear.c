@@ -1,23 +1,35 @@
-/* bf16 linear layers for the few rows of a decode step on the AMX tiles: out[m, n] = sum_k x[m, k] w[n, k].
+/* bf16 linear layers on the AMX tiles: out[m, n] = sum_k x[m, k] w[n, k], from the weight laid out as B tiles.
  *
- * With a few rows a step streams every weight once and does little with it, so its speed is the memory's.
- * oneDNN's matmul on its own packed weights reads them at ~18 GB/s here at 1-16 rows (of ~28 GB/s copy
- * bandwidth): this kernel reads the weight as AMX B tiles that lie contiguously in memory, one after the
- * other as the tile products want them (tile_layout in linear.py), so each thread streams one run of memory
- * that the hardware prefetchers follow, and reaches ~26 GB/s at one row. The rows of x are the A tiles,
- * read in place (16 rows, or the remainder, by 32 columns). Per 16 output columns, up to 4 A tiles (64
- * rows) share one B tile load; more rows re-read the columns' tiles from cache. Output columns are spread
- * over the process's OpenMP threads. Products are fp32 (the tiles' accumulators), rounded once to bf16.
+ * Few rows (a decode step, up to STREAM_ROWS): a step streams every weight once and does little with it, so its
+ * speed is the memory's. oneDNN's matmul on its own packed weights reads them at ~18 GB/s here at 1-16 rows (of
+ * ~28 GB/s copy bandwidth): this kernel reads the weight as AMX B tiles that lie contiguously in memory, one
+ * after the other as the tile products want them (tile_layout in linear.py), so each thread streams one run of
+ * memory that the hardware prefetchers follow, and reaches ~26 GB/s at one row. The rows of x are the A tiles,
+ * read in place (16 rows, or the remainder, by 32 columns). Per 16 output columns, up to 4 A tiles (64 rows)
+ * share one B tile load. Output columns are spread over the process's OpenMP threads. Products are fp32 (the
+ * tiles' accumulators), rounded once to bf16.
  * Weight-only int8 (quantization: int8, bf16 activations) takes the same path with half the bytes to read:
  * each int8 tile is widened to bf16 (exact: |w| <= 127) in a 1 KB buffer that stays in L1, and the output
  * columns are scaled by their per-channel scales before rounding; its tiles are prefetched ahead (PF_TILES).
+ *
+ * More rows (a prefill) are compute-bound: blocks of 32 rows x 32 columns, four accumulator tiles fed by two A
+ * and two B tiles per 32 columns of k, the weight taken in chunks of columns that stay in L2 while every row
+ * block passes them (the row block's A tiles stay in L1 across the chunk's columns). A block's accumulators
+ * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
+ * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul): no [m, 2I] intermediate.
+ * SmolLM2's projections at 2048 rows, 30 layers (Xeon, 2 cores): 2.8-3.3 TFLOP/s, where oneDNN's packed
+ * matmul made 2.3-3.0 (its narrow outputs, 576 and 1536 columns, the slowest).
  * Built and loaded by cpu_kernels.py.
  */
 
 #include <stdint.h>
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "amx.h"
 #include "kernels.h"
+#include "vector_math.h"
 
 /* Whether tile_linear runs here: built with the tile instructions and granted the tile registers. */
 int tile_linear_supported(void) {
@@ -35,6 +47,8 @@ int tile_linear_supported(void) {
 #define T_X 5
 #define T_X_REST 6
 #define T_REST 7
+/* Up to this many rows a step streams the weight (4 A tiles per B tile); more take the blocked path. */
+#define STREAM_ROWS 64
 /* int8 tiles are asked for this many tiles (4 KB) ahead: the widening between tile products left the
  * hardware prefetcher behind (SmolLM2's int8 layers at one row 7.9 -> 5.4 ms; 4 or 16 ahead were slower).
  * bf16 tiles stream without it, and asking ahead made them slower (10.4 -> 11.2 ms at one row). */
@@ -47,7 +61,7 @@ static void configure(int64_t rest) {
     c.rows[T_W] = 16, c.colsb[T_W] = 64;                        /* 16 column pairs x 16 outputs, bf16 pairs */
     c.rows[T_X] = 16, c.colsb[T_X] = 64;                        /* 16 rows x 32 columns, bf16 */
     if (rest) c.rows[T_X_REST] = c.rows[T_REST] = rest, c.colsb[T_X_REST] = c.colsb[T_REST] = 64;
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* An accumulator tile's rows times the columns' scales, rounded to bf16, into out (row stride n). */
@@ -79,15 +93,131 @@ static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf1
                            _tile_dpbf16ps(T, T_X, T_W); } while (0)
 #define STORE(T, i) do { _tile_stored(T, acc, 64); \
                          store_rows(16, acc, scale, out + (m0 + 16 * (i)) * n + j * 16, n); } while (0)
+
+/* The blocked path's tiles: 0-3 accumulate (rows 0-15 x columns 0-15, rows 0-15 x 16-31, rows 16-31 x 0-15,
+ * rows 16-31 x 16-31), two A tiles of 16 rows and two B tiles of 16 columns feed them. */
+#define T_A0 4
+#define T_A1 5
+#define T_B0 6
+#define T_B1 7
+/* A chunk of the weight's columns that stays in L2 (2 MB per core here) while every row block passes it:
+ * 544 columns at k = 576, 192 at 1536 (of those tried, 512-1024 and 256 were best). */
+#define CHUNK_BYTES (640 * 1024)
+
+static void configure_blocks(void) {
+    struct tile_config c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    load_tile_config(&c);
+}
+
+/* One block's accumulators, stored, waiting to be rounded into out while the next block multiplies. Its units
+ * are rows of 16 outputs: 64 (tile u / 16, row u % 16), or with silu_mul 32 (row u: silu(gate) * up of tile
+ * 2 (u / 16) and the next, row u % 16: the block's first 16 columns are the gate's, the last 16 the up's). */
+struct pending {
+    float acc[4][16][16] __attribute__((aligned(64)));
+    uint16_t *out;   /* the block's first output */
+    int64_t n;       /* out's row stride */
+    int rows;        /* rows of the block that exist (the last may have fewer than 32) */
+    int silu_mul, units, done;
+};
+
+/* Round units [done, upto) of the pending block into out. */
+static inline void drain(struct pending *p, int upto) {
+    for (int u = p->done; u < upto; u++) {
+        const int t = u >> 4, row = u & 15;
+        if (p->silu_mul) {
+            if (u < p->rows) {
+                const __m512 gate = round_bf16(_mm512_load_ps(p->acc[2 * t][row]));
+                const __m512 up = round_bf16(_mm512_load_ps(p->acc[2 * t + 1][row]));
+                _mm256_storeu_si256((__m256i *)(p->out + u * p->n), silu_mul_bf16x16(gate, up));
+            }
+        } else if ((t >> 1) * 16 + row < p->rows) {
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p->acc[t][row]));
+            _mm256_storeu_si256((__m256i *)(p->out + ((t >> 1) * 16 + row) * p->n + (t & 1) * 16), v);
+        }
+    }
+    p->done = upto;
+}
+
+/* Rows a0 and a1 (16 each, row stride k) times B tiles b0 and b1 (16 columns each, k / 32 tiles) into tiles
+ * 0-3, rounding the pending block's units a few per step of k meanwhile, then storing the tiles into it. */
+static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const uint16_t *b0, const uint16_t *b1,
+                                  int64_t k, struct pending *p) {
+    const int64_t k_tiles = k / 32;
+    const int per = (p->units - p->done + (int)k_tiles - 1) / (int)k_tiles;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kk = 0; kk < k_tiles; kk++) {
+        _tile_loadd(T_A0, a0 + kk * 32, k * 2);
+        _tile_loadd(T_B0, b0 + kk * 512, 64);
+        _tile_dpbf16ps(0, T_A0, T_B0);
+        _tile_loadd(T_B1, b1 + kk * 512, 64);
+        _tile_dpbf16ps(1, T_A0, T_B1);
+        _tile_loadd(T_A1, a1 + kk * 32, k * 2);
+        _tile_dpbf16ps(2, T_A1, T_B0);
+        _tile_dpbf16ps(3, T_A1, T_B1);
+        drain(p, p->done + per < p->units ? p->done + per : p->units);
+    }
+    __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: the reads above first */
+    _tile_stored(0, p->acc[0], 64);
+    _tile_stored(1, p->acc[1], 64);
+    _tile_stored(2, p->acc[2], 64);
+    _tile_stored(3, p->acc[3], 64);
+    __asm__ volatile("" ::: "memory");
+}
+
+/* out = x w^T for m rows (any), bf16 w in tile_layout, in blocks of 32 rows x 32 outputs; with silu_mul, w is
+ * [2 half, k] and out [m, half] = silu(gate) * up, blocks of 32 rows x 16 outputs (16 of the gate's columns
+ * and the up's same 16). Plain outputs: n a multiple of 32; silu_mul: half a multiple of 16. -2 without memory. */
+static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                          int silu_mul) {
+    const int64_t k_tiles = k / 32, blocks = n / 32, row_blocks = (m + 31) / 32; /* 32 columns of w per block */
+    const int64_t out_n = silu_mul ? n / 2 : n, out_cols = silu_mul ? 16 : 32;
+    int64_t chunk = CHUNK_BYTES / (64 * k); /* column blocks per chunk: two B tiles of k / 32 KB each */
+    if (chunk < 1) chunk = 1;
+    uint16_t *tail = NULL; /* the last rows, if fewer than 32, padded with zero rows */
+    if (m % 32) {
+        if (!(tail = calloc(32 * k, 2))) return -2;
+        memcpy(tail, x + (m - m % 32) * k, (m % 32) * k * 2);
+    }
+    #pragma omp parallel
+    {
+        configure_blocks();
+        struct pending p = {.units = 0, .done = 0};
+        for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks;
+            #pragma omp for collapse(2) schedule(static) nowait
+            for (int64_t rb = 0; rb < row_blocks; rb++) {
+                for (int64_t cb = c0; cb < c1; cb++) {
+                    const uint16_t *a = 32 * rb + 32 <= m ? x + 32 * rb * k : tail;
+                    const int64_t t0 = silu_mul ? cb : 2 * cb, t1 = silu_mul ? cb + n / 32 : 2 * cb + 1;
+                    multiply_block(a, a + 16 * k, w + t0 * k_tiles * 512, w + t1 * k_tiles * 512, k, &p);
+                    p.out = out + 32 * rb * out_n + cb * out_cols;
+                    p.n = out_n;
+                    p.rows = m - 32 * rb < 32 ? (int)(m - 32 * rb) : 32;
+                    p.silu_mul = silu_mul;
+                    p.units = silu_mul ? 32 : 64;
+                    p.done = 0;
+                }
+            }
+        }
+        drain(&p, p.units);
+        _tile_release(); /* leave no tile state for the thread's next user to save and restore */
+    }
+    free(tail);
+    return 0;
+}
 #endif
 
 /* x [m, k] and out [m, n] bf16, row-major; w_tiles: the weight [n, k] as tile_layout lays it out, bf16, or
- * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none).
- * Returns 0, or 1 where it does not run (no tiles here, n not a multiple of 16 or k of 32). */
+ * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none). More than STREAM_ROWS rows of
+ * bf16 weights without scales, n a multiple of 32, take the blocked path.
+ * Returns 0, 1 where it does not run (no tiles here, n not a multiple of 16 or k of 32), -2 without memory. */
 int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
                 int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || n % 16 || k % 32) return 1;
+    if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, 0);
     const int64_t k_tiles = k / 32, full = m / 16, rest = m % 16;
     #pragma omp parallel
     {
@@ -140,6 +270,20 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
     return 0;
 #else
     (void)x, (void)w_tiles, (void)scales, (void)out, (void)m, (void)n, (void)k, (void)w_int8, (void)scales_bf16;
+    return 1;
+#endif
+}
+
+/* out [m, half] = silu(x gate^T) * (x up^T) for x [m, k] and w_tiles the bf16 [gate; up] weight [2 half, k] in
+ * tile_layout, rounded as the bf16 reference rounds (vector_math.h): SwiGLU's activation in the matmul's
+ * rounding pass. Returns 0, 1 where it does not run (no tiles here, half not a multiple of 16 or k of 32), -2
+ * without memory. */
+int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k) {
+#if defined(HAVE_AMX_BF16)
+    if (!amx_permitted() || half % 16 || k % 32) return 1;
+    return blocked_linear(x, w_tiles, out, m, 2 * half, k, 1);
+#else
+    (void)x, (void)w_tiles, (void)out, (void)m, (void)half, (void)k;
     return 1;
 #endif
 }

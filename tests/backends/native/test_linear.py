@@ -22,6 +22,9 @@ from backends.native.linear import (
     can_tile,
     strip_layout,
     tile_layout,
+    tile_matmul,
+    tile_silu_mul,
+    tiles_serve_all_rows,
 )
 from backends.native.model import LlamaModel, dummy_tensors
 
@@ -109,6 +112,46 @@ def test_tile_copy_gives_the_fp32_product_rounded_to_bf16(rows, bias, out_featur
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [TILE_ROWS + 1, 96, 100, 300])
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (960, 576), (576, 1536), (64, 32)])
+def test_tile_layout_multiplies_steps_of_any_size(rows, out_features, in_features):
+    """Past TILE_ROWS rows, blocks of 32 x 32 (a partial last row block; 48 outputs stream instead), fp32 sums."""
+    torch.manual_seed(rows)
+    layer = _tile_layer(out_features, in_features)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    got = tile_matmul(x, tile_layout(layer.weight))
+    torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, TILE_ROWS, 100, 300])
+def test_tile_silu_mul_rounds_as_the_bf16_reference(rows):
+    """silu(gate) * up in the matmul's rounding pass: the tile product's gate and up rounded to bf16, then torch's
+    bf16 silu and product, bit for bit."""
+    torch.manual_seed(rows)
+    layer = _tile_layer(2 * 96, 576)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16) * 4  # sums large enough for silu's whole range
+    tiles = tile_layout(layer.weight)
+    assert torch.equal(tile_silu_mul(x, tiles), TorchLayerOps.silu_and_mul(tile_matmul(x, tiles)))
+
+
+def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
+    torch.manual_seed(0)
+    layer = GateUpLinear(64, 2 * 96, bias=False).to(torch.bfloat16)
+    if not tiles_serve_all_rows(layer.weight):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    weight = layer.weight.detach().clone()
+    layer.use_tiles_only()
+    assert layer.tiles_serve_all and layer.weight.numel() == 0 and not layer.packed_weights()
+    for rows in (3, TILE_ROWS, 200):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        both = F.linear(x.float(), weight.float())
+        torch.testing.assert_close(layer(x).float(), both, atol=2e-2, rtol=1e-2)
+        expected = TorchLayerOps.silu_and_mul(both.bfloat16())
+        torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps).float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert not tiles_serve_all_rows(torch.zeros(48, 64, dtype=torch.bfloat16))  # outputs not a multiple of 32
+    assert not tiles_serve_all_rows(torch.zeros(64, 64, dtype=torch.int8))  # int8: a copy for small steps only
+
+
 def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
     """Tile (j, c) row r holds, for outputs 16j..16j+15, the weight's columns 32c + 2r and 32c + 2r + 1."""
     weight = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
@@ -183,8 +226,10 @@ def test_only_fp32_weights_of_whole_strips_get_a_strip_copy():
 
 
 def _packed_bf16_model() -> LlamaModel:
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    # three kinds of layer: outputs a multiple of 32 (gate/up 256, down 64, the LM head 512), qkv's 80 outputs, and
+    # o_proj's 48 inputs (not a multiple of 32: no tiles at all)
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=3,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
     model = LlamaModel(cfg, max_positions=64)
     model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
     model.to(torch.bfloat16)
@@ -193,14 +238,26 @@ def _packed_bf16_model() -> LlamaModel:
     return model
 
 
-def test_a_model_keeps_tile_copies_where_they_fit_and_counts_them():
+def test_a_bf16_model_lays_out_its_weights_as_tiles_and_keeps_copies_where_they_fit():
+    """Layers whose outputs are a multiple of 32 keep only their tile layout (it serves steps of every size); qkv
+    keeps its packed weight and a tile copy for small steps; o_proj only its packed weight. Each counted once."""
     model = _packed_bf16_model()
-    before = model.weight_bytes()
+    x = torch.randn(100, 128, dtype=torch.bfloat16)  # down_proj's input, more rows than the tiles stream
+    mlp = model.layers[0].mlp
+    expected = F.linear(x.float(), mlp.down_proj.weight.float())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model.pack_linear_weights()
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.tiles is not None for m in linears)
-    copies = sum(m.tiles.numel() * 2 for m in linears)
-    assert model.small_step_copy_bytes() == copies and model.weight_bytes() >= before + copies
+    layers = [layer.mlp.gate_up_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
+    assert all(m.tiles_serve_all and not m.packed_weights() and m.weight.numel() == 0 for m in layers)
+    assert model.lm_head.tiles_serve_all and model.lm_head.weight is model.embed_tokens.weight  # tied: kept
+    qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
+    assert not qkv.tiles_serve_all and qkv.tiles is not None and qkv.packed is not None
+    assert o.tiles is None and o.packed is not None
+    copies = sum(layer.self_attn.qkv_proj.tiles.numel() * 2 for layer in model.layers)
+    assert model.small_step_copy_bytes() == copies
+    # each dropped float weight became a layout of its size; the tied head's tiles sit beside the embedding table
+    assert model.weight_bytes() == params + copies + model.lm_head.tiles.numel() * 2
+    torch.testing.assert_close(mlp.down_proj(x).float(), expected, atol=2e-2, rtol=1e-2)
 
 
 def test_an_fp32_model_keeps_strip_copies_and_counts_them():
@@ -233,4 +290,4 @@ def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
     model = _packed_bf16_model()
     assert model.pack_linear_weights()
     assert model.small_step_copy_bytes() == 0
-    assert all(m.packed_weights() for m in model.modules() if isinstance(m, Linear))
+    assert all(m.packed_weights() or m.tiles_serve_all for m in model.modules() if isinstance(m, Linear))

@@ -1,0 +1,44 @@
+/* AVX-512 arithmetic shared by the CPU kernels: bf16 <-> fp32 vectors and SwiGLU's silu(gate) * up with the
+ * roundings of the bf16 reference (HF's Llama: gate and up rounded to bf16, silu rounded, the product rounded). */
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+#include <immintrin.h>
+#include <stdint.h>
+
+/* 16 bf16 values -> fp32 (exact). */
+static inline __m512 bf16x16_to_f32(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* v rounded to bf16 (nearest even) and back. */
+static inline __m512 round_bf16(__m512 v) { return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* exp(x) to ~2e-7 relative: 2^round(x log2 e) times a degree-6 polynomial of the rest; x clamped below at -87
+ * (normal results), inf past 88.7 as expf. */
+static inline __m512 exp_f32x16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* bf16(bf16(silu(gate)) * up) for bf16-valued gate and up (in fp32 lanes), as torch computes silu: g / (1 + e^-g),
+ * which it matches bit for bit on every bf16 gate. The division is one with its rounding mode spelled out: a plain
+ * one, under -ffast-math, may become a product with a reciprocal, one rounding more (a bf16 midpoint flipped). */
+static inline __m256i silu_mul_bf16x16(__m512 gate, __m512 up) {
+    const __m512 e = exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+    const __m512 silu = round_bf16(_mm512_div_round_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up));
+}
+#endif
