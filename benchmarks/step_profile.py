@@ -55,6 +55,13 @@ def timings(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+def each(fn: Callable[[object], object], items: list) -> None:
+    """``fn`` on every item, each result dropped before the next call, as a step drops a layer's outputs (a list
+    of 30 results alive at once would time fresh memory for every call)."""
+    for item in items:
+        fn(item)
+
+
 def timed(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn`` after one untimed call."""
     return statistics.median(timings(fn, repeats))
@@ -116,17 +123,18 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
         weights = modules[0].in_features * modules[0].out_features
         x, ops = inputs[owner, name], layers[0].mlp.ops
         call = (lambda m: m.silu_and_mul(x, ops)) if name == "gate_up_proj" else (lambda m: m(x))
-        return (lambda: [call(m) for m in modules]), 2 * tokens * weights * len(layers)
+        return (lambda: each(call, modules)), 2 * tokens * weights * len(layers)
 
     parts = {
         **{"gate_up_proj + silu" if name == "gate_up_proj" else name: projection(owner, name)
            for owner, name in inputs},
-        "attention": (lambda: [attn.backend.forward(q, k, v, *kv, meta, attn.scale) for kv in runner.kv_caches],
+        "attention": (lambda: each(lambda kv: attn.backend.forward(q, k, v, *kv, meta, attn.scale), runner.kv_caches),
                       4 * attn.num_heads * attn.head_dim * keys * len(layers)),
         # in place, as in the step: the rows are normalised again and rotated again on each call
         "add_rms_norm x2": (lambda: [layer.input_layernorm(h, residual) for layer in layers for _ in (0, 1)], 0),
-        "rotary_store_kv": (lambda: [attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *kv,
-                                                              meta.slot_mapping) for kv in runner.kv_caches], 0),
+        "rotary_store_kv": (lambda: each(lambda kv: attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads,
+                                                                              *rope, *kv, meta.slot_mapping),
+                                         runner.kv_caches), 0),
         "lm_head": (lambda: model.lm_head(rows), 2 * len(rows) * cfg.hidden_size * model.lm_head.out_features),
     }
     out = {"tokens": tokens, "sequences": len(batch.query_lens), "step_s": step, "parts": {}}

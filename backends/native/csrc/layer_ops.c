@@ -43,6 +43,30 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(
         store(out, i, load(weight, i, bf16) * round_to(load(src, i, bf16) * inv, bf16), bf16);
 }
 
+#if defined(HAVE_AVX512_BF16)
+/* add_rms_norm_row for bf16 rows of whole vectors, with the AVX512-BF16 conversions: the scalar loop's rounding
+ * by integer arithmetic took most of its time (SmolLM2's 60 norms of a 2048-token step: 23 -> 12 ms). */
+static inline void add_rms_norm_row_bf16x16(uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                                            const int64_t hidden, float eps) {
+    __m512 sumsq = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        __m512 r = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + i)));
+        if (residual) { /* residual = x + residual, rounded as torch adds */
+            r = round_bf16(_mm512_add_ps(r, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(residual + i)))));
+            _mm256_storeu_si256((__m256i *)(residual + i), (__m256i)_mm512_cvtneps_pbh(r));
+        }
+        sumsq = _mm512_fmadd_ps(r, r, sumsq);
+    }
+    const uint16_t *src = residual ? residual : x;
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sumsq) / (float)hidden + eps));
+    for (int64_t i = 0; i < hidden; i += 16) { /* HF rounds the normalised row before the weight multiplies it */
+        const __m512 v = round_bf16(_mm512_mul_ps(bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(src + i))), inv));
+        const __m512 w = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(weight + i)));
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, w)));
+    }
+}
+#endif
+
 /* out = rms_norm(x + residual) * weight and residual = x + residual (without a residual: out =
  * rms_norm(x) * weight). Rows of `hidden` contiguous elements; `out` may be `x`. */
 int add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden,
@@ -52,6 +76,12 @@ int add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t
     for (int64_t r = 0; r < rows; r++) {
         void *xr = (char *)x + r * hidden * size, *outr = (char *)out + r * hidden * size;
         void *res = residual ? (char *)residual + r * hidden * size : NULL;
+#if defined(HAVE_AVX512_BF16)
+        if (is_bf16 && hidden % 16 == 0) {
+            add_rms_norm_row_bf16x16(xr, res, weight, outr, hidden, eps);
+            continue;
+        }
+#endif
         if (is_bf16) add_rms_norm_row(xr, res, weight, outr, hidden, eps, 1);
         else add_rms_norm_row(xr, res, weight, outr, hidden, eps, 0);
     }
@@ -71,7 +101,7 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x
 
 /* out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d] (gate and up side by side). bf16 rows of whole
  * vectors take vector_math.h's silu, torch's bit for bit (the scalar loop's libmvec expf flipped 0.08% of bf16
- * roundings) and 1.7x faster. */
+ * roundings) and 1.5-1.7x faster. */
 int silu_and_mul(const void *x, void *out, int64_t rows, int64_t d, int is_bf16) {
     const int64_t size = is_bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static)
