@@ -147,6 +147,21 @@ int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *si
         char *row = (char *)qkv + t * stride * size;
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+#if defined(HAVE_AVX512_BF16)
+            if (is_bf16 && half % 16 == 0) { /* the scalar loop (rounding by integer arithmetic): 1.3x the time */
+                uint16_t *x = (uint16_t *)(row + h * row_bytes);
+                for (int64_t i = 0; i < half; i += 16) {
+                    const __m512 a = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + i)));
+                    const __m512 b = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + half + i)));
+                    const __m512 co = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
+                    _mm256_storeu_si256((__m256i *)(x + i),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_fmsub_ps(a, co, _mm512_mul_ps(b, si))));
+                    _mm256_storeu_si256((__m256i *)(x + half + i),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(b, co, _mm512_mul_ps(a, si))));
+                }
+                continue;
+            }
+#endif
             if (is_bf16) rotate_row(row + h * row_bytes, c, s, half, 1);
             else rotate_row(row + h * row_bytes, c, s, half, 0);
         }
