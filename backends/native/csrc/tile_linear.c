@@ -14,7 +14,8 @@
  *
  * More rows (a prefill) are compute-bound: blocks of 32 rows x 32 columns, four accumulator tiles fed by two A
  * and two B tiles per 32 columns of k, the weight taken in chunks of columns that stay in L2 while every row
- * block passes them (the row block's A tiles stay in L1 across the chunk's columns). A block's accumulators
+ * block passes them; the row block's A tiles stay in L1 across the chunk's columns, as the B tiles are loaded
+ * with the no-reuse hint (without it, L2 -> L1 traffic bound the loop: qkv 3.3 -> 4.0 TFLOP/s). A block's accumulators
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
  * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul): no [m, 2I] intermediate.
  * SmolLM2's projections at 2048 rows, 30 layers (Xeon, 2 cores): 2.8-3.3 TFLOP/s, where oneDNN's packed
@@ -147,11 +148,11 @@ static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const 
     const int64_t k_tiles = k / 32;
     const int per = (p->units - p->done + (int)k_tiles - 1) / (int)k_tiles;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    for (int64_t kk = 0; kk < k_tiles; kk++) {
+    for (int64_t kk = 0; kk < k_tiles; kk++) { /* B tiles with the no-reuse hint: the A tiles stay in L1 */
         _tile_loadd(T_A0, a0 + kk * 32, k * 2);
-        _tile_loadd(T_B0, b0 + kk * 512, 64);
+        _tile_stream_loadd(T_B0, b0 + kk * 512, 64);
         _tile_dpbf16ps(0, T_A0, T_B0);
-        _tile_loadd(T_B1, b1 + kk * 512, 64);
+        _tile_stream_loadd(T_B1, b1 + kk * 512, 64);
         _tile_dpbf16ps(1, T_A0, T_B1);
         _tile_loadd(T_A1, a1 + kk * 32, k * 2);
         _tile_dpbf16ps(2, T_A1, T_B0);
