@@ -41,7 +41,7 @@ from peers import run_record  # noqa: E402
 
 from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
-from backends.native.linear import tile_layout, tile_matmul, tiles_serve_all_rows  # noqa: E402
+from backends.native.linear import tile_layout, tile_matmul, layout_serves_all_rows  # noqa: E402
 from backends.native.model_runner import ModelRunner  # noqa: E402
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 
@@ -79,7 +79,7 @@ def matmul_peak(dtype: torch.dtype, hidden: int, intermediate: int, size: int = 
     inflate MFU."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     calls = {"torch.mm": (lambda: torch.mm(a, b), 2 * size**3)}
-    if tiles_serve_all_rows(b):
+    if layout_serves_all_rows(b):
         square = tile_layout(b.t().contiguous())
         x, w = torch.randn(size, hidden, dtype=dtype), torch.randn(2 * intermediate, hidden, dtype=dtype)
         wide = tile_layout(w)

@@ -16,12 +16,12 @@ GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.
 On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``, csrc/tile_linear.c). Steps of
 up to ``TILE_ROWS`` rows stream them in order, near the copy bandwidth, where oneDNN's matmul on its packed
 weight is not; larger steps multiply them in cache-sized blocks, faster than oneDNN's matmul on SmolLM2's
-shapes, with SwiGLU's silu(gate) * up in the rounding pass (``tile_silu_mul``). So where a weight's outputs are a
-multiple of 32 the tile layout is its only copy (``tiles_serve_all``); otherwise, and for int8 weights (widened to
-bf16 tile by tile for bf16 activations), it is a second copy for small steps. fp32 weights get the like on CPUs
-with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as strips of 32 output columns
-(``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights' memory, so the model keeps it
-only where it fits easily (``LlamaModel.pack_linear_weights``).
+shapes, with SwiGLU's silu(gate) * up in the rounding pass (``tile_silu_mul``). So where a weight's outputs are
+a multiple of 32 the tile layout is its only copy (``layout_only``, ``layout_serves_all_rows``); otherwise, and
+for int8 weights (widened to bf16 tile by tile for bf16 activations), it is a second copy for small steps.
+fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
+strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
+memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-def tiles_serve_all_rows(weight: torch.Tensor) -> bool:
-    """Whether a tile layout of ``weight`` serves steps of every size (csrc/tile_linear.c's blocked path, for
-    more than ``TILE_ROWS`` rows, takes bf16 weights whose outputs are a multiple of 32), so it can be the only copy."""
+def layout_serves_all_rows(weight: torch.Tensor) -> bool:
+    """Whether the tile layout of ``weight`` serves steps of every size, faster than oneDNN's matmul, so it can
+    be the weight's only copy (csrc/tile_linear.c's blocked path, for more than ``TILE_ROWS`` rows, takes bf16
+    weights whose outputs are a multiple of 32). fp32 strips do not: past ``STRIP_ROWS`` rows they only drew
+    level with oneDNN over a step's weights not in cache (414-424 GFLOP/s against 418, rows or strips chunked)."""
     return weight.dtype == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
 
 
@@ -154,7 +156,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for bf16 steps
-    tiles_serve_all = False  # the tiles serve steps of every size: they are the weight's only copy
+    layout_only = False  # the tiles serve steps of every size: they are the weight's only copy
     strips: torch.Tensor | None = None  # the weight's strip_layout (set before packing), for small fp32 steps
 
     def pack(self, keep_weight: bool = False) -> None:
@@ -180,16 +182,16 @@ class Linear(nn.Linear):
         """The oneDNN-packed copies this layer holds (none before ``pack``, or for int8)."""
         return [] if self.packed is None else [self.packed]
 
-    def use_tiles_only(self, keep_weight: bool = False) -> None:
-        """Serve every step from the weight's tile layout (``tiles_serve_all_rows`` must hold): no packed copy;
+    def use_layout_only(self, keep_weight: bool = False) -> None:
+        """Serve every step from the weight's tile layout (``layout_serves_all_rows`` must hold): no packed copy;
         the float weight is dropped unless ``keep_weight``."""
-        self.tiles, self.tiles_serve_all = tile_layout(self.weight), True
+        self.tiles, self.layout_only = tile_layout(self.weight), True
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _reads_tiles(self, x: torch.Tensor) -> bool:
         return (self.tiles is not None and x.dtype == torch.bfloat16
-                and (self.tiles_serve_all or x.numel() <= TILE_ROWS * x.shape[-1]))
+                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reads_tiles(x):
@@ -210,7 +212,7 @@ class GateUpLinear(Linear):
     """SwiGLU's gate and up projections side by side (``weight`` [2I, k], the gate's rows first), whose one use is
     ``silu_and_mul``: silu(gate) * up [..., I].
 
-    On AMX tiles (``tiles_serve_all``), steps of more than ``TILE_ROWS`` rows get the product from the tile
+    On AMX tiles (``layout_only``), steps of more than ``TILE_ROWS`` rows get the product from the tile
     kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds: 30 layers of SmolLM2 at 2048 rows 80 ms, where
     oneDNN's epilogues below took 110 (AMX Xeon). Packed for oneDNN in bf16 (no tiles), the two halves are packed
     apart and the product comes out of the matmuls' epilogues (swish on the gate's sums, then the up's sums times
@@ -232,7 +234,7 @@ class GateUpLinear(Linear):
 
     def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
-        if self.tiles_serve_all and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]:
+        if self.layout_only and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]:
             return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles).reshape(*x.shape[:-1], -1)
         if self.halves is not None and not self._reads_tiles(x):
             gate, up = self.halves

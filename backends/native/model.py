@@ -34,7 +34,7 @@ from backends.native.linear import (
     can_tile,
     strip_layout,
     tile_layout,
-    tiles_serve_all_rows,
+    layout_serves_all_rows,
 )
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
@@ -176,14 +176,14 @@ class LlamaModel(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         packed = sum(p.numel() * p.element_size() for m in linears for p in m.packed_weights())
-        only_tiles = sum(m.tiles.numel() * m.tiles.element_size() for m in linears if m.tiles_serve_all)
-        return total + packed + only_tiles + self.small_step_copy_bytes()
+        layouts = sum(m.tiles.numel() * m.tiles.element_size() for m in linears if m.layout_only)
+        return total + packed + layouts + self.small_step_copy_bytes()
 
     def small_step_copy_bytes(self) -> int:
         """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none): not
-        the tile layouts that are a weight's only copy."""
+        the layouts that are a weight's only copy."""
         return sum(copy.numel() * copy.element_size() for m in self.modules()
-                   if isinstance(m, Linear) and not m.tiles_serve_all
+                   if isinstance(m, Linear) and not m.layout_only
                    for copy in (m.tiles, m.strips) if copy is not None)
 
     # ----------------------------------------------------------------------------------- weights
@@ -200,12 +200,12 @@ class LlamaModel(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         tied = self.lm_head if self.config.tie_word_embeddings else None
         for module in linears:
-            if tiles_serve_all_rows(module.weight):
-                module.use_tiles_only(keep_weight=module is tied)
-        if any(m.tiles_serve_all for m in linears):
+            if layout_serves_all_rows(module.weight):
+                module.use_layout_only(keep_weight=module is tied)
+        if any(m.layout_only for m in linears):
             log.info("AMX tile layouts serve every step of %d of %d linear layers (no packed copy)",
-                     sum(m.tiles_serve_all for m in linears), len(linears))
-        linears = [m for m in linears if not m.tiles_serve_all]
+                     sum(m.layout_only for m in linears), len(linears))
+        linears = [m for m in linears if not m.layout_only]
         if weight.dtype == torch.bfloat16:
             kind, rows, attr, can_copy, layout = "AMX tile", TILE_ROWS, "tiles", can_tile, tile_layout
         else:

@@ -24,7 +24,7 @@ from backends.native.linear import (
     tile_layout,
     tile_matmul,
     tile_silu_mul,
-    tiles_serve_all_rows,
+    layout_serves_all_rows,
 )
 from backends.native.model import LlamaModel, dummy_tensors
 
@@ -137,19 +137,19 @@ def test_tile_silu_mul_rounds_as_the_bf16_reference(rows):
 def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
     torch.manual_seed(0)
     layer = GateUpLinear(64, 2 * 96, bias=False).to(torch.bfloat16)
-    if not tiles_serve_all_rows(layer.weight):
+    if not layout_serves_all_rows(layer.weight):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
     weight = layer.weight.detach().clone()
-    layer.use_tiles_only()
-    assert layer.tiles_serve_all and layer.weight.numel() == 0 and not layer.packed_weights()
+    layer.use_layout_only()
+    assert layer.layout_only and layer.weight.numel() == 0 and not layer.packed_weights()
     for rows in (3, TILE_ROWS, 200):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         both = F.linear(x.float(), weight.float())
         torch.testing.assert_close(layer(x).float(), both, atol=2e-2, rtol=1e-2)
         expected = TorchLayerOps.silu_and_mul(both.bfloat16())
         torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps).float(), expected.float(), atol=2e-2, rtol=2e-2)
-    assert not tiles_serve_all_rows(torch.zeros(48, 64, dtype=torch.bfloat16))  # outputs not a multiple of 32
-    assert not tiles_serve_all_rows(torch.zeros(64, 64, dtype=torch.int8))  # int8: a copy for small steps only
+    assert not layout_serves_all_rows(torch.zeros(48, 64, dtype=torch.bfloat16))  # outputs not a multiple of 32
+    assert not layout_serves_all_rows(torch.zeros(64, 64, dtype=torch.int8))  # int8: a copy for small steps only
 
 
 def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
@@ -248,10 +248,10 @@ def test_a_bf16_model_lays_out_its_weights_as_tiles_and_keeps_copies_where_they_
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model.pack_linear_weights()
     layers = [layer.mlp.gate_up_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
-    assert all(m.tiles_serve_all and not m.packed_weights() and m.weight.numel() == 0 for m in layers)
-    assert model.lm_head.tiles_serve_all and model.lm_head.weight is model.embed_tokens.weight  # tied: kept
+    assert all(m.layout_only and not m.packed_weights() and m.weight.numel() == 0 for m in layers)
+    assert model.lm_head.layout_only and model.lm_head.weight is model.embed_tokens.weight  # tied: kept
     qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
-    assert not qkv.tiles_serve_all and qkv.tiles is not None and qkv.packed is not None
+    assert not qkv.layout_only and qkv.tiles is not None and qkv.packed is not None
     assert o.tiles is None and o.packed is not None
     copies = sum(layer.self_attn.qkv_proj.tiles.numel() * 2 for layer in model.layers)
     assert model.small_step_copy_bytes() == copies
@@ -290,4 +290,4 @@ def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
     model = _packed_bf16_model()
     assert model.pack_linear_weights()
     assert model.small_step_copy_bytes() == 0
-    assert all(m.packed_weights() or m.tiles_serve_all for m in model.modules() if isinstance(m, Linear))
+    assert all(m.packed_weights() or m.layout_only for m in model.modules() if isinstance(m, Linear))
