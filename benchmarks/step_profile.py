@@ -41,7 +41,7 @@ from peers import run_record  # noqa: E402
 
 from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
-from backends.native.linear import tile_layout, tile_matmul, layout_serves_all_rows  # noqa: E402
+from backends.native.linear import layout_serves_all_rows, tile_layout, tile_matmul  # noqa: E402
 from backends.native.model_runner import ModelRunner  # noqa: E402
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 

@@ -32,9 +32,9 @@ from backends.native.linear import (
     can_pack,
     can_strip,
     can_tile,
+    layout_serves_all_rows,
     strip_layout,
     tile_layout,
-    layout_serves_all_rows,
 )
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding

@@ -20,11 +20,11 @@ from backends.native.linear import (
     can_pack,
     can_strip,
     can_tile,
+    layout_serves_all_rows,
     strip_layout,
     tile_layout,
     tile_matmul,
     tile_silu_mul,
-    layout_serves_all_rows,
 )
 from backends.native.model import LlamaModel, dummy_tensors
 
