@@ -5,8 +5,8 @@ memory bandwidth; layer by layer from Python the step took ~14 ms: ~300 kernel c
 its tensor allocations and Python frames. csrc/decode_layers.c runs the same kernels in the same order over the
 whole decoder stack, so a step gives bit for bit the eager path's logits and KV cache; the embedding lookup,
 the final norm and the LM head stay here. It runs steps whose every sequence decodes one token, up to the rows
-the linear layers' small-step copies serve (``TILE_ROWS`` for AMX tiles, ``STRIP_ROWS`` for fp32 strips), on one
-rank whose every layer has such a copy and runs on the C kernels; other steps, and every step with
+the linear layers' tile or strip layouts stream (``TILE_ROWS`` for AMX tiles, ``STRIP_ROWS`` for fp32 strips), on
+one rank whose every layer has such a layout and runs on the C kernels; other steps, and every step with
 ``enforce_eager``, run eagerly.
 """
 

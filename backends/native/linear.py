@@ -37,10 +37,12 @@ from backends.native import cpu_kernels
 # Above this many rows the int8 kernel, which widens each weight once per four rows, loses to dequantising
 # the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
 INT8_KERNEL_ROWS = 32
-# Up to this many rows a bf16 matmul with a tile copy runs on csrc/tile_linear.c. Over SmolLM2's 30 layers of
-# weights (not in cache; AMX Xeon, 2 cores) it took 8.5-8.9 ms at 1-16 rows against oneDNN's 12.5-12.8, 11.7 vs
-# 15.0 at 32, 13.4 vs 15.0 at 48, 15.4 vs 17.0 at 64; level at 72, behind from 80 (an earlier run on a machine
-# of this kind had oneDNN ahead from 56). A 64-sequence decode step: 76.4 -> 62.0 ms with 64 here (fused too).
+# Up to this many rows a bf16 matmul with a tile copy streams it (csrc/tile_linear.c, whose STREAM_ROWS is the
+# same); weights whose tile layout is their only copy (``layout_only``) take its blocked path beyond, the others
+# oneDNN's matmul. Streaming SmolLM2's 30 layers of weights (not in cache; AMX Xeon, 2 cores) took 8.5-8.9 ms at
+# 1-16 rows against oneDNN's 12.5-12.8, 11.7 vs 15.0 at 32, 13.4 vs 15.0 at 48, 15.4 vs 17.0 at 64; level at 72,
+# behind from 80 (an earlier run on a machine of this kind had oneDNN ahead from 56). A 64-sequence decode step:
+# 76.4 -> 62.0 ms with 64 here (fused too).
 TILE_ROWS = 64
 # Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c. Over SmolLM2's 30 layers
 # of weights (not in cache; AMX Xeon, 2 cores) against oneDNN: 19.7 vs 24.4 ms at 1 row, 28.5 vs 37.1 at 16,
@@ -213,8 +215,8 @@ class GateUpLinear(Linear):
     ``silu_and_mul``: silu(gate) * up [..., I].
 
     On AMX tiles (``layout_only``), steps of more than ``TILE_ROWS`` rows get the product from the tile
-    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds: 30 layers of SmolLM2 at 2048 rows 80 ms, where
-    oneDNN's epilogues below took 110 (AMX Xeon). Packed for oneDNN in bf16 (no tiles), the two halves are packed
+    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds: 30 layers of SmolLM2 at 2048 rows 60 ms in a
+    prefill step, where oneDNN's epilogues below took 118 (AMX Xeon). Packed for oneDNN in bf16 (no tiles), the two halves are packed
     apart and the product comes out of the matmuls' epilogues (swish on the gate's sums, then the up's sums times
     that), with no [T, 2I] intermediate and no pass of its own: 111 -> 94 ms against one matmul and a pass. HF
     rounds the gate to bf16 before the silu; the epilogue takes the fp32 sums (within one bf16 rounding)."""

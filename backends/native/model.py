@@ -193,7 +193,8 @@ class LlamaModel(nn.Module):
         tile layout serves steps of every size get only that (linear.py); the others are packed for oneDNN, and
         get a second copy for small steps where a kernel for it runs here: AMX tiles for bf16 activations (bf16
         or int8 weights), AVX-512 strips for fp32; kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the
-        memory available (the container's, where it has a limit). Returns whether it packed."""
+        memory available (the container's, where it has a limit). Returns whether it laid them out (False where
+        this build has no CPU layout for their dtype)."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False

@@ -19,6 +19,7 @@ from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
 from backends.native.fused_decode import FusedDecode
 from backends.native.host_memory import keep_freed_memory
+from backends.native.linear import Linear
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
@@ -85,9 +86,11 @@ class ModelRunner:
         self.kernels: Kernels = choose_kernels(config.kernels, local_config(self.model.config, self.tp.size),
                                                self.dtype, self.device, self.block_size, self.num_blocks)
         self.model.use_kernels(self.kernels)
-        self.packed_weights = self.model.pack_linear_weights()
-        # oneDNN compiles a kernel per row count of a packed matmul: steps are padded to a few (row_buckets.py)
-        self.pad_rows = self.packed_weights
+        self.model.pack_linear_weights()
+        # oneDNN compiles a kernel per row count of a packed matmul: steps are padded to a few (row_buckets.py).
+        # The tile kernels that serve bf16 weights on AMX take any row count: a model without packed weights
+        # pads nothing.
+        self.pad_rows = any(m.packed_weights() for m in self.model.modules() if isinstance(m, Linear))
         if self.pad_rows and config.warmup:
             warm_up_linears(self.model, config.max_num_batched_tokens, config.max_num_seqs)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)

@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(
 
 #if defined(HAVE_AVX512_BF16)
 /* add_rms_norm_row for bf16 rows of whole vectors, with the AVX512-BF16 conversions: the scalar loop's rounding
- * by integer arithmetic took most of its time (SmolLM2's 60 norms of a 2048-token step: 23 -> 12 ms). */
+ * by integer arithmetic took most of its time (SmolLM2's 60 norms of a 2048-token step: 23 -> 11 ms). */
 static inline void add_rms_norm_row_bf16x16(uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                                             const int64_t hidden, float eps) {
     __m512 sumsq = _mm512_setzero_ps();

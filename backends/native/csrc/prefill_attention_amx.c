@@ -198,6 +198,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
     for (int64_t n0 = 0; n0 < keys; n0 += STEP) {
         _tile_stored(T_S0, &s[0][0], 64);
         _tile_stored(T_S1, &s[16][0], 64);
+        __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: s is read below */
         /* The next step's scores: their tile products run while this step's softmax runs on the vector units. */
         if (n0 + STEP < keys) SCORES(n0 + STEP);
         /* Rows see keys up to their positions (the first row's is the smallest): only steps past it mask. */
@@ -243,6 +244,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
                 _tile_zero(T_O0);
                 O_PRODUCT(j, T_O0);
                 _tile_stored(T_O0, &step_o[0][0], 64);
+                __asm__ volatile("" ::: "memory"); /* as above */
                 for (int64_t i = 0; i < 16; i++)
                     _mm512_store_ps(o[16 * j + i], _mm512_add_ps(_mm512_load_ps(o[16 * j + i]), _mm512_load_ps(step_o[i])));
             }

@@ -18,8 +18,8 @@
  * with the no-reuse hint (without it, L2 -> L1 traffic bound the loop: qkv 3.3 -> 4.0 TFLOP/s). A block's accumulators
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
  * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul): no [m, 2I] intermediate.
- * SmolLM2's projections at 2048 rows, 30 layers (Xeon, 2 cores): 2.8-3.3 TFLOP/s, where oneDNN's packed
- * matmul made 2.3-3.0 (its narrow outputs, 576 and 1536 columns, the slowest).
+ * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
+ * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
  * Built and loaded by cpu_kernels.py.
  */
 
@@ -48,7 +48,8 @@ int tile_linear_supported(void) {
 #define T_X 5
 #define T_X_REST 6
 #define T_REST 7
-/* Up to this many rows a step streams the weight (4 A tiles per B tile); more take the blocked path. */
+/* Up to this many rows a step streams the weight (4 A tiles per B tile); more take the blocked path. TILE_ROWS
+ * in linear.py, up to which weights that are not a tile layout's only copy read the tiles at all, is the same. */
 #define STREAM_ROWS 64
 /* int8 tiles are asked for this many tiles (4 KB) ahead: the widening between tile products left the
  * hardware prefetcher behind (SmolLM2's int8 layers at one row 7.9 -> 5.4 ms; 4 or 16 ahead were slower).
@@ -92,7 +93,7 @@ static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf1
 
 #define PRODUCT(T, i) do { _tile_loadd(T_X, x + (m0 + 16 * (i)) * k + kk * 32, k * 2); \
                            _tile_dpbf16ps(T, T_X, T_W); } while (0)
-#define STORE(T, i) do { _tile_stored(T, acc, 64); \
+#define STORE(T, i) do { _tile_stored(T, acc, 64); __asm__ volatile("" ::: "memory"); /* see multiply_block */ \
                          store_rows(16, acc, scale, out + (m0 + 16 * (i)) * n + j * 16, n); } while (0)
 
 /* The blocked path's tiles: 0-3 accumulate (rows 0-15 x columns 0-15, rows 0-15 x 16-31, rows 16-31 x 0-15,
@@ -217,7 +218,7 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
 int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
                 int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
-    if (!amx_permitted() || n % 16 || k % 32) return 1;
+    if (!amx_permitted() || n % 16 || k <= 0 || k % 32) return 1;
     if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, 0);
     const int64_t k_tiles = k / 32, full = m / 16, rest = m % 16;
     #pragma omp parallel
@@ -262,6 +263,7 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
                 if (g > 3) STORE(3, 3);
                 if (with_rest) {
                     _tile_stored(T_REST, acc, 64);
+                    __asm__ volatile("" ::: "memory");
                     store_rows(rest, acc, scale, out + (m0 + 16 * g) * n + j * 16, n);
                 }
             }
@@ -281,7 +283,7 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
  * without memory. */
 int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k) {
 #if defined(HAVE_AMX_BF16)
-    if (!amx_permitted() || half % 16 || k % 32) return 1;
+    if (!amx_permitted() || half % 16 || k <= 0 || k % 32) return 1;
     return blocked_linear(x, w_tiles, out, m, 2 * half, k, 1);
 #else
     (void)x, (void)w_tiles, (void)out, (void)m, (void)half, (void)k;

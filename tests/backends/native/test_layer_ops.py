@@ -77,6 +77,21 @@ def test_silu_and_mul_matches_torch_including_extreme_gates(ops, device, dtype):
     assert torch.isfinite(got).all()
 
 
+def test_bf16_rows_of_a_width_off_the_vectors_take_the_scalar_loops_and_agree_as_well():
+    # widths that are multiples of 16 take the AVX512-BF16 paths; 40 takes the scalar loops
+    if not CpuLayerOps.available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(2)
+    x, residual = ((torch.randn(7, 40, generator=gen) * 3).bfloat16() for _ in range(2))
+    weight = (torch.rand(40, generator=gen) + 0.5).bfloat16()
+    want = TorchLayerOps.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    for got, expected in zip(CpuLayerOps.add_rms_norm(x, residual, weight, 1e-5), want):
+        torch.testing.assert_close(got, expected, **TOLERANCE[torch.bfloat16])
+    both = (torch.randn(7, 80, generator=gen) * 4).bfloat16()
+    torch.testing.assert_close(CpuLayerOps.silu_and_mul(both), TorchLayerOps.silu_and_mul(both),
+                               **TOLERANCE[torch.bfloat16])
+
+
 def test_bf16_silu_and_mul_is_torchs_bit_for_bit_on_every_gate():
     # Every bf16 gate but NaNs and denormals (and +-inf), up 1 and 3: where the C kernel's vector silu rounds, it
     # rounds as torch's (the scalar loop with libmvec's expf did not on 0.08% of gates; a division turned into a

@@ -72,3 +72,23 @@ def test_every_matmul_of_a_step_sees_a_bucketed_row_count(runner):
         for hook in hooks:
             hook.remove()
     assert sorted(set(seen)) == [padded_rows(3), padded_rows(7), padded_rows(53)]  # LM head: 3 rows each
+
+
+def test_a_model_whose_every_matmul_is_a_tile_kernel_pads_no_step():
+    # bf16 on AMX: the tile layouts serve every step of SmolLM2's layers and take any row count
+    config = EngineConfig(dtype="bfloat16", device="cpu", load_format="dummy", max_model_len=256, num_blocks=64,
+                          warmup=False)
+    runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if not all(m.layout_only for m in linears):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    assert not runner.pad_rows
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0])) for m in linears]
+    try:
+        with torch.inference_mode():
+            runner.execute(_steps(runner.block_size)[0])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sorted(set(seen)) == [3, 53]  # the LM head's rows and the prompts' tokens, unpadded
