@@ -87,7 +87,7 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
 def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16), rounded
     as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
-    k, half = x.shape[-1], tiles.shape[0] * 8
+    k, half = x.shape[-1], tiles.shape[0] * 16 // 2  # tiles of 16 outputs: the gate's, then the up's
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], half)
     if cpu_kernels.library().tile_linear_silu_mul(x.data_ptr(), tiles.data_ptr(), out.data_ptr(), x.numel() // k,

@@ -50,9 +50,9 @@ static inline void add_rms_norm_row_bf16x16(uint16_t *x, uint16_t *residual, con
                                             const int64_t hidden, float eps) {
     __m512 sumsq = _mm512_setzero_ps();
     for (int64_t i = 0; i < hidden; i += 16) {
-        __m512 r = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + i)));
+        __m512 r = load_bf16x16(x + i);
         if (residual) { /* residual = x + residual, rounded as torch adds */
-            r = round_bf16(_mm512_add_ps(r, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(residual + i)))));
+            r = round_bf16(_mm512_add_ps(r, load_bf16x16(residual + i)));
             _mm256_storeu_si256((__m256i *)(residual + i), (__m256i)_mm512_cvtneps_pbh(r));
         }
         sumsq = _mm512_fmadd_ps(r, r, sumsq);
@@ -60,8 +60,8 @@ static inline void add_rms_norm_row_bf16x16(uint16_t *x, uint16_t *residual, con
     const uint16_t *src = residual ? residual : x;
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sumsq) / (float)hidden + eps));
     for (int64_t i = 0; i < hidden; i += 16) { /* HF rounds the normalised row before the weight multiplies it */
-        const __m512 v = round_bf16(_mm512_mul_ps(bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(src + i))), inv));
-        const __m512 w = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(weight + i)));
+        const __m512 v = round_bf16(_mm512_mul_ps(load_bf16x16(src + i), inv));
+        const __m512 w = load_bf16x16(weight + i);
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, w)));
     }
 }
@@ -111,8 +111,8 @@ int silu_and_mul(const void *x, void *out, int64_t rows, int64_t d, int is_bf16)
 #if defined(HAVE_AVX512_BF16)
         if (is_bf16 && d % 16 == 0) {
             for (int64_t i = 0; i < d; i += 16) {
-                const __m512 gate = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)xr + i)));
-                const __m512 up = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)xr + d + i)));
+                const __m512 gate = load_bf16x16((const uint16_t *)xr + i);
+                const __m512 up = load_bf16x16((const uint16_t *)xr + d + i);
                 _mm256_storeu_si256((__m256i *)((uint16_t *)outr + i), silu_mul_bf16x16(gate, up));
             }
             continue;
@@ -151,8 +151,8 @@ int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *si
             if (is_bf16 && half % 16 == 0) { /* the scalar loop (rounding by integer arithmetic): 1.3x the time */
                 uint16_t *x = (uint16_t *)(row + h * row_bytes);
                 for (int64_t i = 0; i < half; i += 16) {
-                    const __m512 a = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + i)));
-                    const __m512 b = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(x + half + i)));
+                    const __m512 a = load_bf16x16(x + i);
+                    const __m512 b = load_bf16x16(x + half + i);
                     const __m512 co = _mm512_loadu_ps(c + i), si = _mm512_loadu_ps(s + i);
                     _mm256_storeu_si256((__m256i *)(x + i),
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_fmsub_ps(a, co, _mm512_mul_ps(b, si))));

@@ -30,6 +30,7 @@
 #include "bf16.h"
 #include "kernels.h"
 #include "prefill_tasks.h"
+#include "vector_math.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -112,10 +113,6 @@ static inline __m512 sum_each16(const __m512 a[16]) {
                          _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-static inline __m512 widen16(const uint16_t *p) { /* 16 bf16 -> 16 floats */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* Scores q . k[t] of n <= 16 keys (rows of d elements, d a multiple of 32), lanes past n zero. qf: the
  * query in fp32; qh: in bf16 (read with a bf16 cache). With AVX512-BF16, bf16 rows multiply in pairs
  * (vdpbf16ps: exact products, fp32 sums) without widening. */
@@ -131,8 +128,8 @@ static inline __attribute__((always_inline)) __m512 scores16(const float *qf, co
                 a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qh + c), (__m512bh)_mm512_loadu_si512(kr));
 #else
                 (void)qh;
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), widen16(kr), a);
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c + 16), widen16(kr + 16), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c), load_bf16x16(kr), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + c + 16), load_bf16x16(kr + 16), a);
 #endif
             } else {
                 const float *kr = (const float *)k + t * d + c;
@@ -161,8 +158,8 @@ static inline __attribute__((always_inline)) void fold_heads(const void *v, int6
         for (int64_t t = 0; t < n; t++) {
             __m512 x0, x1;
             if (bf16) {
-                x0 = widen16((const uint16_t *)v + t * d + c);
-                x1 = widen16((const uint16_t *)v + t * d + c + 16);
+                x0 = load_bf16x16((const uint16_t *)v + t * d + c);
+                x1 = load_bf16x16((const uint16_t *)v + t * d + c + 16);
             } else {
                 x0 = _mm512_loadu_ps((const float *)v + t * d + c);
                 x1 = _mm512_loadu_ps((const float *)v + t * d + c + 16);

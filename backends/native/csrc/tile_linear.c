@@ -87,8 +87,7 @@ static inline void widen_tile(const int8_t *w, uint16_t *buf) {
 static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf16) {
     if (!scales) return _mm512_set1_ps(1.0f);
     if (!scales_bf16) return _mm512_loadu_ps((const float *)scales + 16 * j);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)scales + 16 * j));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return load_bf16x16((const uint16_t *)scales + 16 * j);
 }
 
 #define PRODUCT(T, i) do { _tile_loadd(T_X, x + (m0 + 16 * (i)) * k + kk * 32, k * 2); \
@@ -220,7 +219,7 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || n % 16 || k <= 0 || k % 32) return 1;
     if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, 0);
-    const int64_t k_tiles = k / 32, full = m / 16, rest = m % 16;
+    const int64_t k_tiles = k / 32, rest = m % 16;
     #pragma omp parallel
     {
         configure(rest);

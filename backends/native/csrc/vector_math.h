@@ -2,15 +2,21 @@
  * roundings of the bf16 reference (HF's Llama: gate and up rounded to bf16, silu rounded, the product rounded). */
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAVE_AVX512_BF16 1
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #include <stdint.h>
 
-/* 16 bf16 values -> fp32 (exact). */
+/* 16 bf16 values -> fp32 (exact: a bf16 is the top half of a float). AVX-512F alone. */
 static inline __m512 bf16x16_to_f32(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+
+/* The 16 bf16 values at p as fp32. */
+static inline __m512 load_bf16x16(const uint16_t *p) { return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)p)); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
 
 /* v rounded to bf16 (nearest even) and back. */
 static inline __m512 round_bf16(__m512 v) { return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
