@@ -10,16 +10,17 @@
  * reduction across lanes, and its rescale is one vector. The probabilities are rounded to bf16 (as GPU
  * flash attention does), interleaved in key pairs (the B operand of the output) and multiplied into the
  * values per 16 dimensions into the fp32 output, dimension by row, which stays in up to four tiles at head
- * sizes up to 64: the rows' maxima are raised lazily (only when some row's step maximum exceeds its own by more
- * than RESCALE_SLACK), so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
+ * sizes up to 64: the rows' maxima are taken in the first step and raised only when a row's probabilities may
+ * pass e^RESCALE_SLACK, so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
  * memory. Each step's score products are issued before the previous step's softmax, so the tile unit works
  * while the vector units do; the softmax scales, masks (only in steps that cross the first row's position)
- * and exponentiates in one pass, in base 2, under flush-to-zero. Queries, values and the output change
- * layout by 16 x 16 transposes of 32-bit pairs in registers.
- * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 1.4 ms per layer (1.9 with a separate scale-and-mask
- * pass, scores taken after the softmax and scalar transposes; 2.3 rescaling the output in memory at every
- * step); torch's flash kernel, which the engine used before, 3.3-3.6; the vector kernel of paged_attention.c
- * 5.5 (8.1 before its rows-as-lanes design).
+ * and exponentiates in one pass, in base 2, under flush-to-zero. Queries (read in place), values and the
+ * output change layout by 16 x 16 transposes of 32-bit pairs in registers.
+ * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 1.2 ms per layer (1.35 with a maximum pass in every step
+ * and exp's rounding split from its remainder; 1.9 with a separate scale-and-mask pass, scores taken after the
+ * softmax and scalar transposes; 2.3 rescaling the output in memory at every step); torch's flash kernel, which
+ * the engine used before, 3.3-3.6; the vector kernel of paged_attention.c 5.5 (8.1 before its rows-as-lanes
+ * design).
  * Built and loaded by cpu_kernels.py; attention/cpu_attention.py calls it.
  */
 
@@ -58,26 +59,28 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
 #define T_O2 6
 #define T_O3 7
 #define RESIDENT_DIM 64
-/* The rows' running maxima are raised only when some row's step maximum exceeds its own by more than
- * RESCALE_SLACK (see exp2_up_to_slack); then every row takes its step's maximum where that is higher. So
- * probabilities stay under e^8 (fine in bf16 and in fp32 sums), and the output, rescaled only on a raise, stays
- * in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens against rescaling it in memory at every step). */
+/* The rows' running maxima are the first step's; a later step is exponentiated against them, and only if some
+ * row's sum of the step's probabilities passes e^RESCALE_SLACK (so one of them may have) are the step's maxima
+ * taken, every row raised to its own where that is higher, the output rescaled and the step exponentiated again.
+ * So probabilities stay under e^8 (fine in bf16 and in fp32 sums), the maxima cost a pass only where they move,
+ * and the output, rescaled only on a raise, stays in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens
+ * against rescaling it in memory at every step; a maximum pass in every step, 3% more). */
 
-/* 2^t for t <= RESCALE_SLACK * log2 e (a probability against a maximum raised lazily, below, in base 2) to ~1.1e-4
- * relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^round(t) times a
- * cubic of the rest (fitted for relative error on [-1/2, 1/2], its constant term 1 so that 2^0 is exactly 1: a
- * rescale of a row whose maximum stays put must be 1, or it compounds over a long prompt's steps). Far below the
- * maximum the result underflows to 0 under the kernel's flush-to-zero (set around its tasks), not to a denormal.
- * The degree-6 Taylor form took 7% more of the kernel's time; libmvec's expf a third of it. */
+/* 2^t for t <= RESCALE_SLACK * log2 e (a probability against a maximum raised lazily, above, in base 2) to ~8.6e-5
+ * relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^floor(t) times a
+ * cubic of the rest (fitted for relative error on [0, 1), its constant term 1 so that 2^0 is exactly 1: a
+ * rescale of a row whose maximum stays put must be 1, or it compounds over a long prompt's steps). The rest is
+ * one instruction (vreduceps), and scalef floors t itself. Far below the maximum the result underflows to 0
+ * under the kernel's flush-to-zero (set around its tasks), not to a denormal. The degree-6 Taylor form took 7%
+ * more of the kernel's time; libmvec's expf a third of it. */
 #define RESCALE_SLACK 8.0f
 static inline __m512 exp2_up_to_slack(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n); /* |f| <= 1/2 */
-    __m512 p = _mm512_set1_ps(0.05459282f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24221784f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6933686f));
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* t - floor(t), in [0, 1) */
+    __m512 p = _mm512_set1_ps(0.0770652f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.227647f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69511634f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n); /* p * 2^n */
+    return _mm512_scalef_ps(p, t); /* p * 2^floor(t) */
 }
 
 static void configure(void) {
@@ -167,12 +170,12 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
         }                                                                 \
     } while (0)
 
-/* One task: query rows [0, rows) (bf16, d wide, ROWS rows in qbuf) against keys [0, keys), row r seeing keys
+/* One task: query rows [0, rows) (bf16, d wide, at q_rows[r]; ROWS of them) against keys [0, keys), row r seeing keys
  * up to pos[r]; the normalised output rows into out_rows[r] (bf16). Scores are taken transposed (keys by
  * rows), so each row's softmax runs down the 32 key vectors of a step and its rescale is one vector. Up to
  * RESIDENT_DIM the output accumulates in tiles across steps, leaving them only when a maximum is raised;
  * larger heads accumulate it in memory, one tile product per 16 dims per step. */
-static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, int64_t keys, const uint16_t *k,
+static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64_t *pos, int64_t keys, const uint16_t *k,
                         const uint32_t *vt, int64_t padded, int64_t d, float scale, uint16_t **out_rows) {
     uint32_t qt[MAX_DIM / 2][ROWS] __attribute__((aligned(64)));  /* dim pair p, row r */
     float o[MAX_DIM][ROWS] __attribute__((aligned(64)));           /* output, dim by row */
@@ -182,7 +185,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
     const int64_t nt = d / 16; /* output tiles (resident: at most 4) */
     for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* rows of 16 dim pairs -> dim pairs of 16 rows */
         __m512i x[16];
-        for (int64_t r = 0; r < ROWS; r++) x[r] = _mm512_load_si512(qbuf + r * d + 2 * p0);
+        for (int64_t r = 0; r < ROWS; r++) x[r] = _mm512_loadu_si512(q_rows[r] + 2 * p0);
         transpose_16x16(x);
         for (int64_t p = 0; p < 16; p++) _mm512_store_si512(qt[p0 + p], x[p]);
     }
@@ -192,7 +195,7 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
     int32_t pos32[ROWS];
     for (int64_t r = 0; r < ROWS; r++) pos32[r] = (int32_t)pos[r];
     const __m512i row_pos = _mm512_loadu_si512(pos32);
-    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), slack = _mm512_set1_ps(RESCALE_SLACK / scale);
+    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), limit = _mm512_set1_ps(expf(RESCALE_SLACK));
     const __m512i pairs = PAIRS;
     SCORES(0);
     for (int64_t n0 = 0; n0 < keys; n0 += STEP) {
@@ -204,34 +207,39 @@ static void attend_tile(const uint16_t *qbuf, int64_t rows, const int64_t *pos, 
         /* Rows see keys up to their positions (the first row's is the smallest): only steps past it mask. */
         const int causal = n0 + STEP - 1 > pos[0];
         __mmask16 seen[STEP];
-        __m512 top = _mm512_set1_ps(-FLT_MAX);
-        for (int64_t t = 0; t < STEP; t++) {
+        for (int64_t t = 0; t < STEP; t++)
             seen[t] = causal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int)(n0 + t))) : 0xffff;
-            top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(s[t]));
-        }
-        if (_mm512_cmp_ps_mask(top, _mm512_add_ps(m, slack), _CMP_GT_OQ)) { /* raise the maxima, rescale */
-            const __m512 m_new = _mm512_max_ps(m, top);
-            /* exactly 1 where m stays; 0 before the first key (the floor keeps -FLT_MAX * to_log2 finite) */
-            const __m512 alpha = exp2_up_to_slack(
-                _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, m_new), to_log2), _mm512_set1_ps(-200.0f)));
-            l = _mm512_mul_ps(l, alpha);
-            m = m_new;
-            if (resident && n0 > 0) O_TILES(O_STORE);
-            if (!resident || n0 > 0)
-                for (int64_t i = 0; i < d; i++) _mm512_store_ps(o[i], _mm512_mul_ps(_mm512_load_ps(o[i]), alpha));
-            __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
-            if (resident && n0 > 0) O_TILES(O_LOAD);
-        }
-        const __m512 m_log2 = _mm512_mul_ps(m, to_log2);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < STEP; t += 2) { /* 2^((s - m) scale log2 e); keys a row does not see: 0 */
-            const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(
-                _mm512_fmsub_ps(_mm512_load_ps(s[t]), to_log2, m_log2)));
-            const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(
-                _mm512_fmsub_ps(_mm512_load_ps(s[t + 1]), to_log2, m_log2)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
-            const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */
-            _mm512_store_si512((__m512i *)pt[t / 2], _mm512_permutexvar_epi16(pairs, pair));
+        /* The step's maxima are taken in the first step, or when some probability may have passed e^slack (its
+         * row's sum did), and then the step is exponentiated again (see RESCALE_SLACK). */
+        __m512 sum;
+        for (int exact = n0 == 0;; exact = 1) {
+            if (exact) {
+                __m512 top = _mm512_set1_ps(-FLT_MAX);
+                for (int64_t t = 0; t < STEP; t++) top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(s[t]));
+                const __m512 m_new = _mm512_max_ps(m, top);
+                /* exactly 1 where m stays; 0 before the first key (the floor keeps -FLT_MAX * to_log2 finite) */
+                const __m512 alpha = exp2_up_to_slack(
+                    _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, m_new), to_log2), _mm512_set1_ps(-200.0f)));
+                l = _mm512_mul_ps(l, alpha);
+                m = m_new;
+                if (resident && n0 > 0) O_TILES(O_STORE);
+                if (!resident || n0 > 0)
+                    for (int64_t i = 0; i < d; i++) _mm512_store_ps(o[i], _mm512_mul_ps(_mm512_load_ps(o[i]), alpha));
+                __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
+                if (resident && n0 > 0) O_TILES(O_LOAD);
+            }
+            const __m512 m_log2 = _mm512_mul_ps(m, to_log2);
+            sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < STEP; t += 2) { /* 2^((s - m) scale log2 e); keys a row does not see: 0 */
+                const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(
+                    _mm512_fmsub_ps(_mm512_load_ps(s[t]), to_log2, m_log2)));
+                const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(
+                    _mm512_fmsub_ps(_mm512_load_ps(s[t + 1]), to_log2, m_log2)));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
+                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */
+                _mm512_store_si512((__m512i *)pt[t / 2], _mm512_permutexvar_epi16(pairs, pair));
+            }
+            if (exact || !_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) break;
         }
         l = _mm512_add_ps(l, sum);
         __asm__ volatile("" ::: "memory"); /* as above: pt is written before the tile load reads it */
@@ -310,17 +318,17 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
             const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
             const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
             const int64_t padded = (context_lens[s] + STEP - 1) / STEP * STEP, at = offset[s] + h * padded * d / 2;
-            uint16_t qbuf[ROWS * MAX_DIM] __attribute__((aligned(64)));
+            const uint16_t *q_rows[ROWS];
             uint16_t *out_rows[ROWS];
             int64_t pos[ROWS];
             for (int64_t r = 0; r < ROWS; r++) { /* row r: query first_q + r / group, head h * group + r % group */
                 const int64_t token = query_starts[s] + first_q + (r < rows ? r : rows - 1) / group;
                 const int64_t head = h * group + (r < rows ? r : rows - 1) % group;
-                memcpy(qbuf + r * d, (const uint16_t *)q + token * q_stride + head * d, d * 2);
+                q_rows[r] = (const uint16_t *)q + token * q_stride + head * d;
                 out_rows[r] = (uint16_t *)out + (token * num_heads + head) * d;
                 pos[r] = prefix + first_q + (r < rows ? r : rows - 1) / group;
             }
-            attend_tile(qbuf, rows, pos, prefix + first_q + nq, keys + 2 * at, values + at, padded, d, scale, out_rows);
+            attend_tile(q_rows, rows, pos, prefix + first_q + nq, keys + 2 * at, values + at, padded, d, scale, out_rows);
         }
         _mm_setcsr(csr);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */

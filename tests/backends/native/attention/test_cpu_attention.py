@@ -68,3 +68,31 @@ def test_a_long_prompts_first_keys_keep_their_weight(dtype, amx):
     positions = torch.arange(keys - new, keys, dtype=torch.float64)
     expected = (32 / (positions + 1))[:, None, None].expand(new, 3, 64)
     torch.testing.assert_close(out.double(), expected, rtol=4e-3, atol=0)
+
+
+@pytest.mark.parametrize("rise", [0.02, 0.7], ids=["slowly", "every-step"])
+def test_tile_attention_follows_scores_that_rise_past_its_first_maxima(rise):
+    # Scores grow along the keys (by `rise` per key after scaling), and key 200 stands 150 above its
+    # neighbours (2^216 in the kernel's base 2: past fp32). The tile kernel takes each row's maximum in its first
+    # step only, and again where a step's probabilities may pass e^8: both must still give softmax's answer.
+    lib = cpu_kernels.load()
+    if lib is None or not lib.prefill_attention_amx_supported(3, 1, 64, 16):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    torch.manual_seed(1)
+    tokens, scale = 300, 0.125
+    u = torch.nn.functional.normalize(torch.randn(64), dim=0)
+    q = (u / scale + 0.1 * torch.randn(tokens, 3, 64)).bfloat16()
+    keys = rise * torch.arange(tokens, dtype=torch.float32)
+    keys[200] += 150
+    k = (keys[:, None] * u + 0.1 * torch.randn(tokens, 64)).bfloat16()
+    v = torch.randn(tokens, 64).bfloat16()
+    blocks = (tokens + 15) // 16
+    k_cache, v_cache = (torch.zeros(1, blocks * 16, 64).bfloat16() for _ in range(2))
+    k_cache[0, :tokens], v_cache[0, :tokens] = k, v
+    out = cpu_attention.paged_prefill_attention(
+        q, k_cache.view(1, blocks, 16, 64), v_cache.view(1, blocks, 16, 64), torch.arange(blocks).view(1, -1),
+        torch.tensor([0]), torch.tensor([tokens]), torch.tensor([tokens]), scale)
+    scores = torch.einsum("thd,nd->thn", q.double(), k.double()) * scale
+    scores.masked_fill_(torch.ones(tokens, tokens, dtype=torch.bool).triu(1)[:, None, :], float("-inf"))
+    expected = torch.einsum("thn,nd->thd", scores.softmax(-1), v.double())
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
