@@ -6,7 +6,8 @@ Two steps of the native engine on the embedded SmolLM2 (its model runner, the ke
   decode:  ``--batch`` sequences at context ``--context``, one new token each.
 Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
 model's own modules and kernels: the four linear projections over all layers (gate/up with its SiLU-and-mul,
-which the tile kernel's rounding pass computes in bf16 on AMX), attention, the layer ops (RMSNorm +
+which the tile kernel's rounding pass computes in bf16 on AMX), attention (every layer's own queries and keys
+from a real run of the step: its speed depends on the scores), the layer ops (RMSNorm +
 residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
 its own noise, so a small negative rest means "nothing measurable"). A decode step that runs fused
@@ -107,6 +108,28 @@ def make_batch(runner: ModelRunner, query_lens: list[int], context_lens: list[in
     return Batch(token_ids, positions, slots, query_lens, context_lens, tables, [True] * len(query_lens))
 
 
+def real_attention_inputs(runner: ModelRunner, batch: Batch, meta) -> list[tuple]:
+    """Every layer's (q, k, v, k_cache, v_cache) of the step, from its input in a real run: attention's speed
+    depends on its scores (the tile kernel raises a row's running maximum only where the scores call for it),
+    so random queries against the model's keys would time another kernel run than the step's."""
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda _, args: inputs.append(args[0].clone()))
+             for layer in runner.model.layers]
+    try:  # the model's own forward: a fused decode step (fused_decode.py) would not call the layers
+        runner.model(torch.tensor(batch.token_ids), torch.tensor(batch.positions), runner.kv_caches, meta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    rope = runner.model.rotary.tables(torch.tensor(batch.positions))
+    out = []
+    for layer, x, kv in zip(runner.model.layers, inputs, runner.kv_caches):
+        attn = layer.self_attn
+        q, k, v = attn.ops.rotary_store_kv(attn.qkv_proj(x), attn.num_heads, attn.num_kv_heads, *rope, *kv,
+                                           meta.slot_mapping)
+        out.append((q, k, v, *kv))
+    return out
+
+
 @torch.inference_mode()
 def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     """The whole step's seconds, each part's seconds (all layers) and FLOPs, and the step's model FLOPs."""
@@ -114,11 +137,10 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     meta = runner.kernels.attention.build(batch)
     step = timed(lambda: runner.execute(batch), repeats)
     tokens, layers, attn = len(batch.token_ids), model.layers, model.layers[0].self_attn
+    attention_inputs = real_attention_inputs(runner, batch, meta)
     x = torch.randn(tokens, cfg.hidden_size, dtype=runner.dtype)
     qkv = attn.qkv_proj(x)
     rope = model.rotary.tables(torch.tensor(batch.positions))
-    q, k, v = attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads, *rope, *runner.kv_caches[0],
-                                       meta.slot_mapping)
     act = layers[0].mlp.gate_up_proj.silu_and_mul(x, layers[0].mlp.ops)
     rows, h, residual = x[meta.logits_indices], x.clone(), x.clone()
     keys = sum(n * ctx - n * (n - 1) / 2 for n, ctx in zip(batch.query_lens, batch.context_lens))  # causal
@@ -136,7 +158,7 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     parts = {
         **{"gate_up_proj + silu" if name == "gate_up_proj" else name: projection(owner, name)
            for owner, name in inputs},
-        "attention": (lambda: each(lambda kv: attn.backend.forward(q, k, v, *kv, meta, attn.scale), runner.kv_caches),
+        "attention": (lambda: each(lambda a: attn.backend.forward(*a, meta, attn.scale), attention_inputs),
                       4 * attn.num_heads * attn.head_dim * keys * len(layers)),
         # in place, as in the step: the rows are normalised again and rotated again on each call
         "add_rms_norm x2": (lambda: [layer.input_layernorm(h, residual) for layer in layers for _ in (0, 1)], 0),
