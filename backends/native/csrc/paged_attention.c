@@ -15,7 +15,8 @@
  * blocks of 4 keys or 4 output columns by the row vectors with AVX-512, 2 elsewhere), and the online softmax
  * runs down the keys, one row per lane.
  *
- * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already).
+ * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already); in prefill each
+ * thread takes a run of them of about equal cost (prefill_share).
  * Sums are fp32; bf16 storage is widened block by block in decode (or multiplied in pairs, above), slice by
  * slice in prefill. Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
@@ -23,6 +24,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -603,51 +605,55 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             float scale, int is_bf16) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = TILE_ROWS / group;
-    const int64_t tasks = prefill_tiles(query_lens, num_seqs, tile) * num_kv_heads;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; task++) {
-        const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
-        const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
-        const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
-        const int rv = (int)((rows + LANES - 1) / LANES); /* lanes past `rows`: the last row again, dropped */
-        float qt[MAX_HEAD_DIM][TILE_ROWS], ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
-        float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM]; /* bf16 keys and values, widened */
-        const float *krow[KEYS], *vrow[KEYS];
-        int32_t pos[TILE_ROWS];
-        for (int64_t r = 0; r < rv * LANES; r++) { /* row r: query first_q + r / group, head h * group + r % group */
-            const int64_t row = r < rows ? r : rows - 1;
-            const int64_t at = (query_starts[s] + first_q + row / group) * q_stride + (h * group + row % group) * d;
-            for (int64_t i = 0; i < d; i++) {
-                qt[i][r] = load(q, at + i, is_bf16) * scale;
-                ot[i][r] = 0.0f;
-            }
-            pos[r] = (int32_t)(prefix + first_q + row / group);
-            m[r] = -FLT_MAX;
-            l[r] = 0.0f;
-        }
-        const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
-        for (int64_t key0 = 0; key0 < keys; key0 += KEYS) {
-            const int64_t n = keys - key0 < KEYS ? keys - key0 : KEYS;
-            for (int64_t j = 0, run; j < n; j += run) { /* the slice's keys, block by block */
-                const int64_t key = key0 + j, block = block_tables[s * table_stride + key / block_size];
-                const int64_t at = ((h * num_blocks + block) * block_size + key % block_size) * d;
-                run = block_size - key % block_size < n - j ? block_size - key % block_size : n - j;
-                if (is_bf16) {
-                    widen((const uint16_t *)k_cache + at, kbuf + j * d, run * d);
-                    widen((const uint16_t *)v_cache + at, vbuf + j * d, run * d);
+    #pragma omp parallel
+    {
+        int64_t first, end; /* a task's fixed work, its queries' loads and output, ~1 slice of keys */
+        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, KEYS, 1, omp_get_thread_num(),
+                      omp_get_num_threads(), &first, &end);
+        for (int64_t task = first; task < end; task++) {
+            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
+            const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
+            const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
+            const int rv = (int)((rows + LANES - 1) / LANES); /* lanes past `rows`: the last row again, dropped */
+            float qt[MAX_HEAD_DIM][TILE_ROWS], ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
+            float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM]; /* bf16 keys and values, widened */
+            const float *krow[KEYS], *vrow[KEYS];
+            int32_t pos[TILE_ROWS];
+            for (int64_t r = 0; r < rv * LANES; r++) { /* row r: query first_q + r / group, head h * group + r % group */
+                const int64_t row = r < rows ? r : rows - 1;
+                const int64_t at = (query_starts[s] + first_q + row / group) * q_stride + (h * group + row % group) * d;
+                for (int64_t i = 0; i < d; i++) {
+                    qt[i][r] = load(q, at + i, is_bf16) * scale;
+                    ot[i][r] = 0.0f;
                 }
-                for (int64_t u = 0; u < run; u++) {
-                    krow[j + u] = is_bf16 ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
-                    vrow[j + u] = is_bf16 ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
-                }
+                pos[r] = (int32_t)(prefix + first_q + row / group);
+                m[r] = -FLT_MAX;
+                l[r] = 0.0f;
             }
-            for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];
-            attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt, ot, m, l);
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
-            const float inv = 1.0f / l[r];
-            for (int64_t i = 0; i < d; i++) store(out, at + i, ot[i][r] * inv, is_bf16);
+            const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
+            for (int64_t key0 = 0; key0 < keys; key0 += KEYS) {
+                const int64_t n = keys - key0 < KEYS ? keys - key0 : KEYS;
+                for (int64_t j = 0, run; j < n; j += run) { /* the slice's keys, block by block */
+                    const int64_t key = key0 + j, block = block_tables[s * table_stride + key / block_size];
+                    const int64_t at = ((h * num_blocks + block) * block_size + key % block_size) * d;
+                    run = block_size - key % block_size < n - j ? block_size - key % block_size : n - j;
+                    if (is_bf16) {
+                        widen((const uint16_t *)k_cache + at, kbuf + j * d, run * d);
+                        widen((const uint16_t *)v_cache + at, vbuf + j * d, run * d);
+                    }
+                    for (int64_t u = 0; u < run; u++) {
+                        krow[j + u] = is_bf16 ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
+                        vrow[j + u] = is_bf16 ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
+                    }
+                }
+                for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];
+                attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt, ot, m, l);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
+                const float inv = 1.0f / l[r];
+                for (int64_t i = 0; i < d; i++) store(out, at + i, ot[i][r] * inv, is_bf16);
+            }
         }
     }
     return 0;

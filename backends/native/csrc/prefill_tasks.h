@@ -10,13 +10,7 @@ struct prefill_task {
     int64_t first_q, nq;   /* the tile's first query token (counted within the sequence's chunk) and count */
 };
 
-/* Tiles of `tile` query tokens over all sequences (times the KV heads: the task count). */
-static inline int64_t prefill_tiles(const int64_t *query_lens, int64_t num_seqs, int64_t tile) {
-    int64_t tiles = 0;
-    for (int64_t s = 0; s < num_seqs; s++) tiles += (query_lens[s] + tile - 1) / tile;
-    return tiles;
-}
-
+/* Task number `task`: its sequence, KV head and query tile. */
 static inline struct prefill_task prefill_task(int64_t task, const int64_t *query_lens, int64_t num_kv_heads,
                                                int64_t tile) {
     struct prefill_task t = {.seq = 0, .head = task % num_kv_heads};
@@ -26,3 +20,38 @@ static inline struct prefill_task prefill_task(int64_t task, const int64_t *quer
     t.nq = query_lens[t.seq] - t.first_q < tile ? query_lens[t.seq] - t.first_q : tile;
     return t;
 }
+
+/* Thread `me` of `threads` takes tasks [*first, *end): a run of them in token order, of about equal cost (a
+ * task's steps of `step` keys plus `fixed`, its other work). So the attention output rows a thread writes are
+ * about those the next matmul, which splits its rows the same way, reads on the same core; a dynamic schedule
+ * interleaved them between the cores. SmolLM2's 4 x 512-token step on the tiles: attention 1.2 -> 0.95 ms per layer
+ * (its keys and output rows stay in one core's caches), the fp32 vector kernel 3% faster. */
+static inline void prefill_share(const int64_t *query_lens, const int64_t *context_lens, int64_t num_seqs,
+                                 int64_t num_kv_heads, int64_t tile, int64_t step, int64_t fixed, int64_t me,
+                                 int64_t threads, int64_t *first, int64_t *end) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t q0 = 0; q0 < query_lens[s]; q0 += tile) {
+            const int64_t keys = context_lens[s] - query_lens[s] + (q0 + tile < query_lens[s] ? q0 + tile : query_lens[s]);
+            total += ((keys + step - 1) / step + fixed) * num_kv_heads;
+        }
+    const int64_t from = total * me / threads, to = total * (me + 1) / threads;
+    int64_t cost = 0, task = 0;
+    *first = -1;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t q0 = 0; q0 < query_lens[s]; q0 += tile) {
+            const int64_t keys = context_lens[s] - query_lens[s] + (q0 + tile < query_lens[s] ? q0 + tile : query_lens[s]);
+            for (int64_t h = 0; h < num_kv_heads; h++, task++) {
+                if (cost >= from && *first < 0) *first = task;
+                if (cost >= to) {
+                    *end = task;
+                    if (*first < 0) *first = task;
+                    return;
+                }
+                cost += (keys + step - 1) / step + fixed;
+            }
+        }
+    if (*first < 0) *first = task;
+    *end = task;
+}
+
