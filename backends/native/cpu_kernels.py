@@ -57,6 +57,7 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
     "tile_linear_supported": [],
     "tile_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],
     "tile_linear_silu_mul": [ptr, ptr, ptr, i64, i64, i64],
+    "tile_linear_add": [ptr, ptr, ptr, i64, i64, i64],
     "prefill_attention_amx_supported": [i64, i64, i64, i64],
     "paged_prefill_attention_amx": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                     f32, i32],

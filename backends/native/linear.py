@@ -96,6 +96,17 @@ def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor) -> None:
+    """``residual += x @ weight.T`` in place, for bf16 x [rows, k] of more than ``TILE_ROWS`` rows and a contiguous
+    residual [rows, n], from the weight's ``tile_layout`` (bf16), rounded as torch adds a bf16 layer's output to
+    the residual stream (the product rounded first, then the sum)."""
+    k, n = x.shape[-1], tiles.shape[0] * 16
+    x = x.contiguous()
+    if cpu_kernels.library().tile_linear_add(x.data_ptr(), tiles.data_ptr(), residual.data_ptr(), x.numel() // k,
+                                             n, k):
+        raise RuntimeError(f"tile_linear_add refused a [{n}, {k}] weight at {x.numel() // k} rows")
+
+
 def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``)."""
     k, n = x.shape[-1], tiles.shape[0] * 16
@@ -208,6 +219,18 @@ class Linear(nn.Linear):
             y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output and the residual stream it joins, as the next ``RMSNorm`` takes them: ``(x @ W.T,
+        residual)``, for the norm to add; or, where the tile kernel serves the step (bf16 tile layout only, more
+        than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
+        rounds it: ``(residual, None)``. SmolLM2's 2048-row step: the 60 norms no longer add, ~4 ms less."""
+        if (self.layout_only and self.bias is None and x.dtype == torch.bfloat16 and self.tiles.dtype == x.dtype
+                and residual.is_contiguous() and x.numel() > TILE_ROWS * x.shape[-1]):
+            tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]))
+            return residual, None
+        return self(x), residual
 
 
 class GateUpLinear(Linear):

@@ -78,11 +78,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)  # row-parallel: a partial sum per rank
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata, residual: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output and the residual stream, for the next norm to add (see ``Linear.with_residual``)."""
         q, k, v = self.ops.rotary_store_kv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, *kv_cache,
                                            meta.slot_mapping)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).flatten(1)
+        if self.tp.size == 1:
+            return self.o_proj.with_residual(out, residual)
+        return self.tp.all_reduce(self.o_proj(out)), residual  # the ranks' partial sums first
 
 
 class MLP(nn.Module):
@@ -95,8 +99,12 @@ class MLP(nn.Module):
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.silu_and_mul(x, self.ops)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output and the residual stream, for the next norm to add (see ``Linear.with_residual``)."""
+        act = self.gate_up_proj.silu_and_mul(x, self.ops)
+        if self.tp.size == 1:
+            return self.down_proj.with_residual(act, residual)
+        return self.tp.all_reduce(self.down_proj(act)), residual
 
 
 class VocabEmbedding(nn.Module):
@@ -126,9 +134,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, rope, kv_cache, meta):
+        """(output, residual) for the next norm to add; residual None where the layer added them already."""
         x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta), residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(*self.self_attn(x, rope, kv_cache, meta, residual))
+        return self.mlp(x, residual)
 
 
 class LlamaModel(nn.Module):
@@ -157,9 +166,10 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.logits(x, residual, meta.logits_indices)
 
-    def logits(self, x: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """fp32 logits of ``rows`` (int64 indices) from the last layer's output and residual stream."""
-        x, _ = self.norm(x[rows], residual[rows])
+    def logits(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits of ``rows`` (int64 indices) from the last layer's output and residual stream (None:
+        added into the output already)."""
+        x, _ = self.norm(x[rows], None if residual is None else residual[rows])
         logits = self.tp.gather_columns(self.lm_head(x))
         return None if logits is None else logits[:, :self.config.vocab_size].float()
 

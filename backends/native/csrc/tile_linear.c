@@ -17,7 +17,8 @@
  * block passes them; the row block's A tiles stay in L1 across the chunk's columns, as the B tiles are loaded
  * with the no-reuse hint (without it, L2 -> L1 traffic bound the loop: qkv 3.3 -> 4.0 TFLOP/s). A block's accumulators
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
- * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul): no [m, 2I] intermediate.
+ * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul: no [m, 2I] intermediate), or
+ * the residual add after a layer's last projection (tile_linear_add).
  * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
  * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
  * Built and loaded by cpu_kernels.py.
@@ -112,30 +113,37 @@ static void configure_blocks(void) {
     load_tile_config(&c);
 }
 
+/* What the rounding pass makes of a block's sums: the products, silu(gate) * up, or the products added to
+ * what out holds (a residual stream, rounded as torch adds: the product rounded first, then the sum). */
+enum rounding { PRODUCTS, SILU_MUL, ADD_TO_OUT };
+
 /* One block's accumulators, stored, waiting to be rounded into out while the next block multiplies. Its units
- * are rows of 16 outputs: 64 (tile u / 16, row u % 16), or with silu_mul 32 (row u: silu(gate) * up of tile
+ * are rows of 16 outputs: 64 (tile u / 16, row u % 16), or with SILU_MUL 32 (row u: silu(gate) * up of tile
  * 2 (u / 16) and the next, row u % 16: the block's first 16 columns are the gate's, the last 16 the up's). */
 struct pending {
     float acc[4][16][16] __attribute__((aligned(64)));
     uint16_t *out;   /* the block's first output */
     int64_t n;       /* out's row stride */
     int rows;        /* rows of the block that exist (the last may have fewer than 32) */
-    int silu_mul, units, done;
+    enum rounding rounding;
+    int units, done;
 };
 
 /* Round units [done, upto) of the pending block into out. */
 static inline void drain(struct pending *p, int upto) {
     for (int u = p->done; u < upto; u++) {
         const int t = u >> 4, row = u & 15;
-        if (p->silu_mul) {
+        if (p->rounding == SILU_MUL) {
             if (u < p->rows) {
                 const __m512 gate = round_bf16(_mm512_load_ps(p->acc[2 * t][row]));
                 const __m512 up = round_bf16(_mm512_load_ps(p->acc[2 * t + 1][row]));
                 _mm256_storeu_si256((__m256i *)(p->out + u * p->n), silu_mul_bf16x16(gate, up));
             }
         } else if ((t >> 1) * 16 + row < p->rows) {
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p->acc[t][row]));
-            _mm256_storeu_si256((__m256i *)(p->out + ((t >> 1) * 16 + row) * p->n + (t & 1) * 16), v);
+            uint16_t *out = p->out + ((t >> 1) * 16 + row) * p->n + (t & 1) * 16;
+            __m512 v = _mm512_load_ps(p->acc[t][row]);
+            if (p->rounding == ADD_TO_OUT) v = _mm512_add_ps(round_bf16(v), load_bf16x16(out));
+            _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
     p->done = upto;
@@ -169,11 +177,13 @@ static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const 
     __asm__ volatile("" ::: "memory");
 }
 
-/* out = x w^T for m rows (any), bf16 w in tile_layout, in blocks of 32 rows x 32 outputs; with silu_mul, w is
- * [2 half, k] and out [m, half] = silu(gate) * up, blocks of 32 rows x 16 outputs (16 of the gate's columns
- * and the up's same 16). Plain outputs: n a multiple of 32; silu_mul: half a multiple of 16. -2 without memory. */
+/* out = x w^T for m rows (any), bf16 w in tile_layout, in blocks of 32 rows x 32 outputs (ADD_TO_OUT: out +=);
+ * with SILU_MUL, w is [2 half, k] and out [m, half] = silu(gate) * up, blocks of 32 rows x 16 outputs (16 of the
+ * gate's columns and the up's same 16). Other outputs: n a multiple of 32; SILU_MUL: half a multiple of 16. -2
+ * without memory. */
 static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t m, int64_t n, int64_t k,
-                          int silu_mul) {
+                          enum rounding rounding) {
+    const int silu_mul = rounding == SILU_MUL;
     const int64_t k_tiles = k / 32, blocks = n / 32, row_blocks = (m + 31) / 32; /* 32 columns of w per block */
     const int64_t out_n = silu_mul ? n / 2 : n, out_cols = silu_mul ? 16 : 32;
     int64_t chunk = CHUNK_BYTES / (64 * k); /* column blocks per chunk: two B tiles of k / 32 KB each */
@@ -203,7 +213,7 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
                     p.out = out + 32 * rb * out_n + cb * out_cols;
                     p.n = out_n;
                     p.rows = m - 32 * rb < 32 ? (int)(m - 32 * rb) : 32;
-                    p.silu_mul = silu_mul;
+                    p.rounding = rounding;
                     p.units = silu_mul ? 32 : 64;
                     p.done = 0;
                 }
@@ -225,7 +235,7 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
                 int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || n % 16 || k <= 0 || k % 32) return 1;
-    if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, 0);
+    if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, PRODUCTS);
     const int64_t k_tiles = k / 32, rest = m % 16;
     #pragma omp parallel
     {
@@ -290,9 +300,23 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
 int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || half % 16 || k <= 0 || k % 32) return 1;
-    return blocked_linear(x, w_tiles, out, m, 2 * half, k, 1);
+    return blocked_linear(x, w_tiles, out, m, 2 * half, k, SILU_MUL);
 #else
     (void)x, (void)w_tiles, (void)out, (void)m, (void)half, (void)k;
+    return 1;
+#endif
+}
+
+/* residual [m, n] += x w^T for bf16 x [m, k] and the bf16 weight [n, k] in tile_layout, rounded as torch adds a
+ * bf16 layer's output to the residual stream (the product rounded to bf16, then the sum): the residual add in
+ * the matmul's rounding pass, instead of a pass of its own before the next norm. Steps of more than STREAM_ROWS
+ * rows, n a multiple of 32. Returns 0, 1 where it does not run (no tiles here, or the shapes), -2 without memory. */
+int tile_linear_add(const uint16_t *x, const void *w_tiles, uint16_t *residual, int64_t m, int64_t n, int64_t k) {
+#if defined(HAVE_AMX_BF16)
+    if (!amx_permitted() || m <= STREAM_ROWS || n % 32 || k <= 0 || k % 32) return 1;
+    return blocked_linear(x, w_tiles, residual, m, n, k, ADD_TO_OUT);
+#else
+    (void)x, (void)w_tiles, (void)residual, (void)m, (void)n, (void)k;
     return 1;
 #endif
 }

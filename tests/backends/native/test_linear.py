@@ -22,6 +22,7 @@ from backends.native.linear import (
     can_tile,
     layout_serves_all_rows,
     strip_layout,
+    tile_add,
     tile_layout,
     tile_matmul,
     tile_silu_mul,
@@ -133,6 +134,37 @@ def test_tile_silu_mul_rounds_as_the_bf16_reference(rows, half):
     x = torch.randn(rows, 576, dtype=torch.bfloat16) * 4  # sums large enough for silu's whole range
     tiles = tile_layout(layer.weight)
     assert torch.equal(tile_silu_mul(x, tiles), TorchLayerOps.silu_and_mul(tile_matmul(x, tiles)))
+
+
+@pytest.mark.parametrize("rows", [TILE_ROWS + 1, 100, 300])
+@pytest.mark.parametrize("out_features, in_features", [(576, 576), (576, 1536)])
+def test_tile_add_rounds_the_residual_add_as_torch(rows, out_features, in_features):
+    """residual + x @ W.T in the tile kernel's rounding pass: the product rounded to bf16, then torch's bf16 sum,
+    bit for bit, written over the residual."""
+    torch.manual_seed(rows)
+    layer = _tile_layer(out_features, in_features)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    residual = torch.randn(rows, out_features, dtype=torch.bfloat16) * 8
+    tiles = tile_layout(layer.weight)
+    expected = residual + tile_matmul(x, tiles)
+    tile_add(x, tiles, residual)
+    assert torch.equal(residual, expected)
+
+
+def test_a_layer_joins_the_residual_stream_in_its_kernel_only_where_the_tiles_serve_the_step():
+    """``with_residual``: (residual + x @ W.T, None) from the tile kernel past TILE_ROWS rows of a tile-only layer,
+    else (x @ W.T, residual) untouched, for the next norm to add; the same sum either way."""
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=False).to(torch.bfloat16)
+    if not layout_serves_all_rows(layer.weight):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    layer.use_layout_only()
+    for rows, fused in ((TILE_ROWS, False), (TILE_ROWS + 1, True), (200, True)):
+        x, residual = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, 96, dtype=torch.bfloat16)
+        expected = residual + layer(x)
+        out, rest = layer.with_residual(x, residual.clone())
+        assert (rest is None) == fused
+        assert torch.equal(out if rest is None else out + rest, expected)
 
 
 def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
