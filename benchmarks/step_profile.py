@@ -6,7 +6,8 @@ Two steps of the native engine on the embedded SmolLM2 (its model runner, the ke
   decode:  ``--batch`` sequences at context ``--context``, one new token each.
 Each step is timed whole (median of ``--repeats``), then every part of it on the same shapes with the
 model's own modules and kernels: the four linear projections over all layers (gate/up with its SiLU-and-mul,
-which the tile kernel's rounding pass computes in bf16 on AMX), attention (every layer's own queries and keys
+which the tile kernel's rounding pass computes in bf16 on AMX, as it adds o_proj's and down_proj's products into
+the residual stream, when the norms only normalise), attention (every layer's own queries and keys
 from a real run of the step: its speed depends on the scores), the layer ops (RMSNorm +
 residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
@@ -142,7 +143,7 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     qkv = attn.qkv_proj(x)
     rope = model.rotary.tables(torch.tensor(batch.positions))
     act = layers[0].mlp.gate_up_proj.silu_and_mul(x, layers[0].mlp.ops)
-    rows, h, residual = x[meta.logits_indices], x.clone(), x.clone()
+    rows, h, residual, stream = x[meta.logits_indices], x.clone(), x.clone(), x.clone()
     keys = sum(n * ctx - n * (n - 1) / 2 for n, ctx in zip(batch.query_lens, batch.context_lens))  # causal
     inputs = {("self_attn", "qkv_proj"): x, ("self_attn", "o_proj"): torch.randn(tokens, attn.q_size, dtype=runner.dtype),
               ("mlp", "gate_up_proj"): x, ("mlp", "down_proj"): act}
@@ -152,8 +153,12 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
         modules = [getattr(getattr(layer, owner), name) for layer in layers]
         weights = modules[0].in_features * modules[0].out_features
         x, ops = inputs[owner, name], layers[0].mlp.ops
-        call = (lambda m: m.silu_and_mul(x, ops)) if name == "gate_up_proj" else (lambda m: m(x))
+        call = {"gate_up_proj": lambda m: m.silu_and_mul(x, ops), "qkv_proj": lambda m: m(x)}.get(
+            name, lambda m: m.with_residual(x, stream))  # o_proj and down_proj join the residual stream
         return (lambda: each(call, modules)), 2 * tokens * weights * len(layers)
+
+    # where o_proj and down_proj add into the residual stream themselves, the norms only normalise
+    norms_add = attn.o_proj.with_residual(inputs["self_attn", "o_proj"], stream.clone())[1] is not None
 
     parts = {
         **{"gate_up_proj + silu" if name == "gate_up_proj" else name: projection(owner, name)
@@ -161,7 +166,8 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
         "attention": (lambda: each(lambda a: attn.backend.forward(*a, meta, attn.scale), attention_inputs),
                       4 * attn.num_heads * attn.head_dim * keys * len(layers)),
         # in place, as in the step: the rows are normalised again and rotated again on each call
-        "add_rms_norm x2": (lambda: [layer.input_layernorm(h, residual) for layer in layers for _ in (0, 1)], 0),
+        "add_rms_norm x2" if norms_add else "rms_norm x2": (
+            lambda: [layer.input_layernorm(h, residual if norms_add else None) for layer in layers for _ in (0, 1)], 0),
         "rotary_store_kv": (lambda: each(lambda kv: attn.ops.rotary_store_kv(qkv, attn.num_heads, attn.num_kv_heads,
                                                                               *rope, *kv, meta.slot_mapping),
                                          runner.kv_caches), 0),
