@@ -163,6 +163,7 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     parts = {
         **{"gate_up_proj + silu" if name == "gate_up_proj" else name: projection(owner, name)
            for owner, name in inputs},
+        # before rotary_store_kv below, which writes random keys into the caches
         "attention": (lambda: each(lambda a: attn.backend.forward(*a, meta, attn.scale), attention_inputs),
                       4 * attn.num_heads * attn.head_dim * keys * len(layers)),
         # in place, as in the step: the rows are normalised again and rotated again on each call

@@ -14,10 +14,11 @@
  * pass e^RESCALE_SLACK, so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
  * memory. Each step's score products are issued before the previous step's softmax, so the tile unit works
  * while the vector units do; the softmax scales, masks (only in steps that cross the first row's position)
- * and exponentiates in one pass, in base 2, under flush-to-zero. Queries (read in place), values and the
+ * and exponentiates in one pass (two in a step that raises a maximum), in base 2, under flush-to-zero. Queries (read in place), values and the
  * output change layout by 16 x 16 transposes of 32-bit pairs in registers.
  * Each thread takes a run of tasks of about equal cost (prefill_share, prefill_tasks.h).
- * 4 x 512 tokens of SmolLM2's layout (Xeon, 2 cores): 0.95 ms per layer (1.2 with tasks spread dynamically,
+ * 4 x 512 tokens of SmolLM2's layout, random scores, interleaved A/B (Xeon, 2 cores): 0.95 ms per layer (1.2 in
+ * the step profile, on the model's own scores with cold caches; 1.2 here with tasks spread dynamically,
  * interleaving the threads' rows; 1.35 with a maximum pass in every step
  * and exp's rounding split from its remainder; 1.9 with a separate scale-and-mask pass, scores taken after the
  * softmax and scalar transposes; 2.3 rescaling the output in memory at every step); torch's flash kernel, which
@@ -69,10 +70,11 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
  * and the output, rescaled only on a raise, stays in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens
  * against rescaling it in memory at every step; a maximum pass in every step, 3% more). */
 
-/* 2^t for t <= RESCALE_SLACK * log2 e (a probability against a maximum raised lazily, above, in base 2) to ~8.6e-5
- * relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values: 2^floor(t) times a
- * cubic of the rest (fitted for relative error on [0, 1), its constant term 1 so that 2^0 is exactly 1: a
- * rescale of a row whose maximum stays put must be 1, or it compounds over a long prompt's steps). The rest is
+/* 2^t (a probability against a maximum raised lazily, above, in base 2): for t <= RESCALE_SLACK * log2 e to
+ * ~8.6e-5 relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values; past that it
+ * only has to exceed e^RESCALE_SLACK, and past fp32's range scalef gives +inf. 2^floor(t) times a cubic of the
+ * rest (fitted for relative error on [0, 1), its constant term 1 so that 2^0 is exactly 1: a rescale of a row
+ * whose maximum stays put must be 1, or it compounds over a long prompt's steps). The rest is
  * one instruction (vreduceps), and scalef floors t itself. Far below the maximum the result underflows to 0
  * under the kernel's flush-to-zero (set around its tasks), not to a denormal. The degree-6 Taylor form took 7%
  * more of the kernel's time; libmvec's expf a third of it. */
@@ -200,6 +202,7 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
     const __m512i row_pos = _mm512_loadu_si512(pos32);
     const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), limit = _mm512_set1_ps(expf(RESCALE_SLACK));
     const __m512i pairs = PAIRS;
+    __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: qt is stored first */
     SCORES(0);
     for (int64_t n0 = 0; n0 < keys; n0 += STEP) {
         _tile_stored(T_S0, &s[0][0], 64);

@@ -1,6 +1,6 @@
 /* How the prefill attention kernels split a step's work: one task per (tile of up to `tile` query tokens of
- * one sequence, KV head), numbered tile-major over the sequences in order, so consecutive tasks share a
- * sequence's keys. Shared by paged_attention.c (vector) and prefill_attention_amx.c (tiles). */
+ * one sequence, KV head), numbered tile-major over the sequences in order (a tile's KV heads one after the
+ * other), so a run of tasks covers a run of the step's tokens. Shared by paged_attention.c (vector) and prefill_attention_amx.c (tiles). */
 #pragma once
 
 #include <stdint.h>
@@ -22,9 +22,10 @@ static inline struct prefill_task prefill_task(int64_t task, const int64_t *quer
 }
 
 /* Thread `me` of `threads` takes tasks [*first, *end): a run of them in token order, of about equal cost (a
- * task's steps of `step` keys plus `fixed`, its other work). So the attention output rows a thread writes are
- * about those the next matmul, which splits its rows the same way, reads on the same core; a dynamic schedule
- * interleaved them between the cores. SmolLM2's 4 x 512-token step on the tiles: attention 1.2 -> 0.95 ms per layer
+ * task's steps of `step` keys plus `fixed`, its other work). So a thread reads mostly its own sequences' keys,
+ * and, where cost spreads evenly over the tokens (prompts of one length, as in a burst), writes about the
+ * output rows that the next matmul, which splits rows evenly, reads on the same core; a dynamic schedule
+ * interleaved both between the cores. SmolLM2's 4 x 512-token step on the tiles: attention 1.2 -> 0.95 ms per layer
  * (its keys and output rows stay in one core's caches), the fp32 vector kernel 3% faster. */
 static inline void prefill_share(const int64_t *query_lens, const int64_t *context_lens, int64_t num_seqs,
                                  int64_t num_kv_heads, int64_t tile, int64_t step, int64_t fixed, int64_t me,

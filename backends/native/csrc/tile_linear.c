@@ -150,11 +150,12 @@ static inline void drain(struct pending *p, int upto) {
 }
 
 /* Rows a0 and a1 (16 each, row stride k) times B tiles b0 and b1 (16 columns each, k / 32 tiles) into tiles
- * 0-3, rounding the pending block's units a few per step of k meanwhile, then storing the tiles into it. Per step
- * of k it also asks for `ahead` cache lines from `next` on into L2 (the next row block's rows; NULL: none). */
+ * 0-3, rounding the pending block's units a few per step of k meanwhile, then storing the tiles into it. Spread
+ * over its steps of k it also asks for `lines` cache lines from `next` on into L2 (a share of the next row
+ * block's rows). */
 static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const uint16_t *b0, const uint16_t *b1,
-                                  int64_t k, struct pending *p, const char *next, int64_t ahead) {
-    const int64_t k_tiles = k / 32;
+                                  int64_t k, struct pending *p, const char *next, int64_t lines) {
+    const int64_t k_tiles = k / 32, ahead = (lines + k_tiles - 1) / k_tiles;
     const int per = (p->units - p->done + (int)k_tiles - 1) / (int)k_tiles;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kk = 0; kk < k_tiles; kk++) { /* B tiles with the no-reuse hint: the A tiles stay in L1 */
@@ -167,7 +168,7 @@ static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const 
         _tile_dpbf16ps(2, T_A1, T_B0);
         _tile_dpbf16ps(3, T_A1, T_B1);
         drain(p, p->done + per < p->units ? p->done + per : p->units);
-        for (int64_t i = 0; i < ahead; i++) _mm_prefetch(next + (kk * ahead + i) * 64, _MM_HINT_T1);
+        for (int64_t i = kk * ahead; i < (kk + 1) * ahead && i < lines; i++) _mm_prefetch(next + i * 64, _MM_HINT_T1);
     }
     __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: the reads above first */
     _tile_stored(0, p->acc[0], 64);
@@ -206,10 +207,10 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
                     const int64_t t0 = silu_mul ? cb : 2 * cb, t1 = silu_mul ? cb + n / 32 : 2 * cb + 1;
                     /* the next row block's rows (32 x k bf16: k cache lines) come into L2 while this one's
                      * column blocks pass, a share of them per block (SmolLM2's layers 2-7% faster) */
-                    const int64_t share = (k + (c1 - c0) - 1) / (c1 - c0);
-                    const char *next = 32 * rb + 64 <= m ? (const char *)(x + 32 * (rb + 1) * k) + (cb - c0) * share * 64 : NULL;
-                    multiply_block(a, a + 16 * k, w + t0 * k_tiles * 512, w + t1 * k_tiles * 512, k, &p, next,
-                                   next ? (share + k_tiles - 1) / k_tiles : 0);
+                    const int64_t share = (k + (c1 - c0) - 1) / (c1 - c0), first = (cb - c0) * share;
+                    const int64_t lines = 32 * rb + 64 <= m && first < k ? (share < k - first ? share : k - first) : 0;
+                    multiply_block(a, a + 16 * k, w + t0 * k_tiles * 512, w + t1 * k_tiles * 512, k, &p,
+                                   lines ? (const char *)(x + 32 * (rb + 1) * k) + first * 64 : NULL, lines);
                     p.out = out + 32 * rb * out_n + cb * out_cols;
                     p.n = out_n;
                     p.rows = m - 32 * rb < 32 ? (int)(m - 32 * rb) : 32;

@@ -70,28 +70,33 @@ def test_a_long_prompts_first_keys_keep_their_weight(dtype, amx):
     torch.testing.assert_close(out.double(), expected, rtol=4e-3, atol=0)
 
 
-@pytest.mark.parametrize("rise", [0.02, 0.7], ids=["slowly", "every-step"])
-def test_tile_attention_follows_scores_that_rise_past_its_first_maxima(rise):
-    # Scores grow along the keys (by `rise` per key after scaling), and key 200 stands 150 above its
-    # neighbours (2^216 in the kernel's base 2: past fp32). The tile kernel takes each row's maximum in its first
-    # step only, and again where a step's probabilities may pass e^8: both must still give softmax's answer.
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["output-in-tiles", "output-in-memory"])
+@pytest.mark.parametrize("rise, spike", [(0.1, 0.0), (0.7, 0.0), (0.02, 150.0)],
+                         ids=["every-few-steps", "every-step", "past-fp32"])
+def test_tile_attention_follows_scores_that_rise_past_its_first_maxima(rise, spike, head_dim):
+    # Scores grow along the keys (by `rise` per key after scaling): a step's probabilities pass e^8 against the
+    # first step's maxima every few steps, or every step (past fp32 by the end); or they grow slowly and key 200
+    # stands `spike` above its neighbours (2^216 in the kernel's base 2: past fp32). The tile kernel takes each
+    # row's maximum in its first step only, and again, rescaling what it has summed, where a step's
+    # probabilities may pass e^8: the answer must be softmax's either way (without the raises the last two cases
+    # overflow), with the output in tiles (head size 64) or in memory (128).
     lib = cpu_kernels.load()
-    if lib is None or not lib.prefill_attention_amx_supported(3, 1, 64, 16):
+    if lib is None or not lib.prefill_attention_amx_supported(3, 1, head_dim, 16):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
     torch.manual_seed(1)
     tokens, scale = 300, 0.125
-    u = torch.nn.functional.normalize(torch.randn(64), dim=0)
-    q = (u / scale + 0.1 * torch.randn(tokens, 3, 64)).bfloat16()
+    u = torch.nn.functional.normalize(torch.randn(head_dim), dim=0)
+    q = (u / scale + 0.1 * torch.randn(tokens, 3, head_dim)).bfloat16()
     keys = rise * torch.arange(tokens, dtype=torch.float32)
-    keys[200] += 150
-    k = (keys[:, None] * u + 0.1 * torch.randn(tokens, 64)).bfloat16()
-    v = torch.randn(tokens, 64).bfloat16()
+    keys[200] += spike
+    k = (keys[:, None] * u + 0.1 * torch.randn(tokens, head_dim)).bfloat16()
+    v = torch.randn(tokens, head_dim).bfloat16()
     blocks = (tokens + 15) // 16
-    k_cache, v_cache = (torch.zeros(1, blocks * 16, 64).bfloat16() for _ in range(2))
+    k_cache, v_cache = (torch.zeros(1, blocks * 16, head_dim).bfloat16() for _ in range(2))
     k_cache[0, :tokens], v_cache[0, :tokens] = k, v
     out = cpu_attention.paged_prefill_attention(
-        q, k_cache.view(1, blocks, 16, 64), v_cache.view(1, blocks, 16, 64), torch.arange(blocks).view(1, -1),
-        torch.tensor([0]), torch.tensor([tokens]), torch.tensor([tokens]), scale)
+        q, k_cache.view(1, blocks, 16, head_dim), v_cache.view(1, blocks, 16, head_dim),
+        torch.arange(blocks).view(1, -1), torch.tensor([0]), torch.tensor([tokens]), torch.tensor([tokens]), scale)
     scores = torch.einsum("thd,nd->thn", q.double(), k.double()) * scale
     scores.masked_fill_(torch.ones(tokens, tokens, dtype=torch.bool).triu(1)[:, None, :], float("-inf"))
     expected = torch.einsum("thn,nd->thd", scores.softmax(-1), v.double())
