@@ -206,6 +206,11 @@ class Linear(nn.Linear):
         return (self.tiles is not None and x.dtype == torch.bfloat16
                 and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]))
 
+    def _blocked(self, x: torch.Tensor) -> bool:
+        """Whether the tile kernel's blocked path, whose rounding pass can also do SwiGLU or the residual add,
+        multiplies this step: a tile-only bf16 layer, more than ``TILE_ROWS`` rows."""
+        return self.layout_only and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reads_tiles(x):
             y = tile_matmul(x, self.tiles, self.scales if self.is_int8 else None)
@@ -226,8 +231,7 @@ class Linear(nn.Linear):
         residual)``, for the norm to add; or, where the tile kernel serves the step (bf16 tile layout only, more
         than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
         rounds it: ``(residual, None)``. SmolLM2's 2048-row step: the 60 norms no longer add, ~4 ms less."""
-        if (self.layout_only and self.bias is None and x.dtype == torch.bfloat16 and self.tiles.dtype == x.dtype
-                and residual.is_contiguous() and x.numel() > TILE_ROWS * x.shape[-1]):
+        if self._blocked(x) and self.bias is None and residual.is_contiguous():
             tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]))
             return residual, None
         return self(x), residual
@@ -259,7 +263,7 @@ class GateUpLinear(Linear):
 
     def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
-        if self.layout_only and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]:
+        if self._blocked(x):
             return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles).reshape(*x.shape[:-1], -1)
         if self.halves is not None and not self._reads_tiles(x):
             gate, up = self.halves

@@ -2,11 +2,12 @@
 
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
 fused into one weight each (gate/up: on AMX CPUs silu(gate) * up comes out of the tile kernel's rounding
-pass; packed for oneDNN in bf16 elsewhere, two matmuls chained by their epilogues; linear.py). ``load_weights`` takes tensors under HF names and fills the fused layout.
+pass; packed for oneDNN in bf16 elsewhere, two matmuls chained by their epilogues; linear.py).
+``load_weights`` takes tensors under HF names and fills the fused layout.
 Under tensor parallelism (parallel.py) each rank builds its shard of every layer and loads its slice of
 every tensor; the all-reduces and the logits gather are the model's only collectives.
 The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
-does); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU) and attention from an
+does), unless the projection before it added it in its own rounding pass (``Linear.with_residual``, AMX tiles); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU) and attention from an
 attention backend (attention/), both chosen per model by ``attention.choose_kernels``.
 """
 

@@ -24,7 +24,6 @@
 
 #include <float.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -608,8 +607,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     #pragma omp parallel
     {
         int64_t first, end; /* a task's fixed work, its queries' loads and output, ~1 slice of keys */
-        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, KEYS, 1, omp_get_thread_num(),
-                      omp_get_num_threads(), &first, &end);
+        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, KEYS, 1, &first, &end);
         for (int64_t task = first; task < end; task++) {
             const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
             const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;

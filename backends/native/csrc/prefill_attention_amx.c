@@ -29,7 +29,6 @@
 
 #include <float.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,8 +317,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
         int64_t first, end; /* a task's fixed work (queries' and output's transposes) costs ~6 steps of keys */
-        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, STEP, 6, omp_get_thread_num(),
-                      omp_get_num_threads(), &first, &end);
+        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, STEP, 6, &first, &end);
         for (int64_t task = first; task < end; task++) {
             const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
             const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
