@@ -78,7 +78,8 @@ def test_silu_and_mul_matches_torch_including_extreme_gates(ops, device, dtype):
 
 
 def test_bf16_rows_of_a_width_off_the_vectors_take_the_scalar_loops_and_agree_as_well():
-    # widths that are multiples of 16 take the AVX512-BF16 paths; 40 takes the scalar loops
+    # norms of rows of multiples of 32 values and SiLU of multiples of 16 take the AVX512-BF16 paths; 40 takes
+    # the scalar loops
     if not CpuLayerOps.available(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no C compiler here")
     gen = torch.Generator().manual_seed(2)
