@@ -21,6 +21,24 @@ static inline __m512 load_bf16x16(const uint16_t *p) { return bf16x16_to_f32(_mm
 /* v rounded to bf16 (nearest even) and back. */
 static inline __m512 round_bf16(__m512 v) { return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v)); }
 
+/* A block of 32 bf16 values read as 16 pairs (32-bit lanes): the even values in fp32 are the low halves shifted
+ * up, the odd ones the high halves masked, one instruction per 16 values where widening takes two. */
+static inline __m512 even_f32(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+static inline __m512 odd_f32(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Two vectors rounded to bf16 at once (cvtne2ps, the cost of one cvtneps): a's 16 values, then b's. For a block
+ * split by even_f32 and odd_f32, value m then lies at word m / 2 (even m) or 16 + m / 2 (odd m). */
+static inline __m512i round_two_bf16(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
+
+/* round_two_bf16's words of a block split by even_f32 and odd_f32, back in the block's order. */
+static inline __m512i pairs_in_order(__m512i rounded) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, rounded);
+}
+
 /* exp(x) to ~2e-7 relative: 2^round(x log2 e) times a degree-6 polynomial of the rest; x clamped below at -87
  * (normal results), inf past 88.7 as expf. */
 static inline __m512 exp_f32x16(__m512 x) {
