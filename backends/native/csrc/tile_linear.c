@@ -120,9 +120,9 @@ enum rounding { PRODUCTS, SILU_MUL, ADD_TO_OUT };
 /* One block's accumulators, stored, waiting to be rounded into out while the next block multiplies. Its 32 units
  * are its rows: row u's 32 outputs (tiles 2 (u / 16) and the next, row u % 16), one whole cache line of out, or
  * with SILU_MUL its 16 outputs silu(gate) * up (the block's first 16 columns are the gate's, the last 16 the
- * up's). Whole lines, rounded two vectors at once: qkv 4.25 -> 4.50 TFLOP/s, o with the residual add 3.86 -> 4.15,
- * down 3.42 -> 3.46 (30 layers' weights, interleaved), against a unit per
- * 16 outputs, whose two half-line stores came far apart. */
+ * up's). Whole lines, rounded two vectors at once, against units of 16 outputs whose two half-line stores came
+ * far apart: qkv 4.25 -> 4.50 TFLOP/s, o with the residual add 3.86 -> 4.15, down 3.42 -> 3.46 (30 layers'
+ * weights, interleaved). */
 #define UNITS 32
 struct pending {
     float acc[4][16][16] __attribute__((aligned(64)));
