@@ -12,12 +12,14 @@
  * values per 16 dimensions into the fp32 output, dimension by row, which stays in up to four tiles at head
  * sizes up to 64: the rows' maxima are taken in the first step and raised only when a row's probabilities may
  * pass e^RESCALE_SLACK, so the output leaves the tiles to be rescaled only then; larger heads accumulate it in
- * memory. Each step's score products are issued before the previous step's softmax, so the tile unit works
- * while the vector units do; the softmax scales, masks (only in steps that cross the first row's position)
- * and exponentiates in one pass (two in a step that raises a maximum), in base 2, under flush-to-zero. Queries (read in place), values and the
- * output change layout by 16 x 16 transposes of 32-bit pairs in registers.
+ * memory. The steps are software-pipelined: step n's softmax runs in slices between the tile products of step
+ * n + 1's scores and step n - 1's P V, so the tile unit works while the vector units do; the softmax scales,
+ * masks (only in steps that cross the first row's position) and exponentiates in one pass (two in a step that
+ * raises a maximum), in base 2, under flush-to-zero. Queries (read in place), values and the output change
+ * layout by 16 x 16 transposes of 32-bit pairs in registers.
  * Each thread takes a run of tasks of about equal cost (prefill_share, prefill_tasks.h).
- * 4 x 512 tokens of SmolLM2's layout, random scores, interleaved A/B (Xeon, 2 cores): 0.95 ms per layer (1.2 in
+ * 4 x 512 tokens of SmolLM2's layout, random scores, interleaved A/B (Xeon, 2 cores): 0.81 ms per layer (0.92-0.97
+ * with the next step's scores issued as a block before the softmax and its P V after it; 1.2 in
  * the step profile, on the model's own scores with cold caches; 1.2 here with tasks spread dynamically,
  * interleaving the threads' rows; 1.35 with a maximum pass in every step
  * and exp's rounding split from its remainder; 1.9 with a separate scale-and-mask pass, scores taken after the
@@ -158,33 +160,58 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
 #define O_STORE(J, T) _tile_stored(T, &o[16 * (J)][0], 64)
 #define O_LOAD(J, T) _tile_loadd(T, &o[16 * (J)][0], 64)
 #define O_ZERO(J, T) _tile_zero(T)
-#define O_PRODUCT(J, T) do { _tile_loadd(T_A, vt + (16 * (J)) * (padded / 2) + n0 / 2, padded * 2); \
+/* Output tile T += the values of dims 16 J.. of the step at key PV_N0 times the probabilities in T_B. */
+#define O_PRODUCT(J, T) do { _tile_loadd(T_A, vt + (16 * (J)) * (padded / 2) + pv_n0 / 2, padded * 2); \
                              _tile_dpbf16ps(T, T_A, T_B); } while (0)
 
-/* The scores of keys [N0, N0 + STEP) for the task's rows, transposed: keys by rows, in T_S0 and T_S1. */
-#define SCORES(N0) do {                                                   \
+/* The scores of keys [N0, N0 + STEP) for the task's rows, transposed: keys by rows, in T_S0 and T_S1; AFTER runs
+ * after each tile product (a slice of the vector work they overlap). */
+#define SCORES(N0, AFTER) do {                                            \
         _tile_zero(T_S0);                                                 \
         _tile_zero(T_S1);                                                 \
         for (int64_t c = 0; c < d / 32; c++) {                            \
             _tile_loadd(T_B, &qt[16 * c][0], 64);                         \
             _tile_loadd(T_A, k + (N0) * d + 32 * c, d * 2);               \
             _tile_dpbf16ps(T_S0, T_A, T_B);                               \
+            AFTER;                                                        \
             _tile_loadd(T_A, k + ((N0) + 16) * d + 32 * c, d * 2);        \
             _tile_dpbf16ps(T_S1, T_A, T_B);                               \
+            AFTER;                                                        \
         }                                                                 \
+    } while (0)
+
+/* The P V of the step at key N0 (probabilities PT) added to o in memory, 16 dims at a time: heads larger than
+ * RESIDENT_DIM. */
+#define PV_IN_MEMORY(PT, N0) do {                                                                              \
+        const int64_t pv_n0 = (N0);                                                                           \
+        _tile_loadd(T_B, &(PT)[0][0], 64);                                                                    \
+        for (int64_t j = 0; j < nt; j++) {                                                                    \
+            float step_o[16][ROWS] __attribute__((aligned(64)));                                              \
+            _tile_zero(T_O0);                                                                                 \
+            O_PRODUCT(j, T_O0);                                                                               \
+            _tile_stored(T_O0, &step_o[0][0], 64);                                                            \
+            __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: step_o is read */ \
+            for (int64_t i = 0; i < 16; i++)                                                                 \
+                _mm512_store_ps(o[16 * j + i], _mm512_add_ps(_mm512_load_ps(o[16 * j + i]), _mm512_load_ps(step_o[i]))); \
+        }                                                                                                     \
     } while (0)
 
 /* One task: query rows [0, rows) (bf16, d wide, at q_rows[r]; ROWS of them) against keys [0, keys), row r seeing keys
  * up to pos[r]; the normalised output rows into out_rows[r] (bf16). Scores are taken transposed (keys by
  * rows), so each row's softmax runs down the 32 key vectors of a step and its rescale is one vector. Up to
  * RESIDENT_DIM the output accumulates in tiles across steps, leaving them only when a maximum is raised;
- * larger heads accumulate it in memory, one tile product per 16 dims per step. */
+ * larger heads accumulate it in memory, one tile product per 16 dims per step.
+ * The steps are software-pipelined: step n's softmax runs in slices between the tile products of step n + 1's
+ * scores and step n - 1's P V (resident heads), so that neither unit waits for the other. Scores and
+ * probabilities alternate between two buffers: a tile store or load never waits on the vector loads or stores
+ * of the same step. (Issued as blocks, the next step's scores before the softmax and its P V after it, the tile
+ * products overlapped the softmax far less: see the top of the file.) */
 static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64_t *pos, int64_t keys, const uint16_t *k,
                         const uint32_t *vt, int64_t padded, int64_t d, float scale, uint16_t **out_rows) {
     uint32_t qt[MAX_DIM / 2][ROWS] __attribute__((aligned(64)));  /* dim pair p, row r */
     float o[MAX_DIM][ROWS] __attribute__((aligned(64)));           /* output, dim by row */
-    float s[STEP][ROWS] __attribute__((aligned(64)));
-    uint32_t pt[STEP / 2][ROWS] __attribute__((aligned(64)));      /* key pair, row: bf16 pairs */
+    float s[2][STEP][ROWS] __attribute__((aligned(64)));           /* scores of even and odd steps */
+    uint32_t pt[2][STEP / 2][ROWS] __attribute__((aligned(64)));   /* their probabilities, key pair by row: bf16 pairs */
     const int resident = d <= RESIDENT_DIM;
     const int64_t nt = d / 16; /* output tiles (resident: at most 4) */
     for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* rows of 16 dim pairs -> dim pairs of 16 rows */
@@ -202,68 +229,92 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
     const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), limit = _mm512_set1_ps(expf(RESCALE_SLACK));
     const __m512i pairs = PAIRS;
     __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: qt is stored first */
-    SCORES(0);
-    for (int64_t n0 = 0; n0 < keys; n0 += STEP) {
-        _tile_stored(T_S0, &s[0][0], 64);
-        _tile_stored(T_S1, &s[16][0], 64);
-        __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: s is read below */
-        /* The next step's scores: their tile products run while this step's softmax runs on the vector units. */
-        if (n0 + STEP < keys) SCORES(n0 + STEP);
+    SCORES(0, (void)0);
+    _tile_stored(T_S0, &s[0][0][0], 64);
+    _tile_stored(T_S1, &s[0][16][0], 64);
+    __asm__ volatile("" ::: "memory"); /* GCC's tilestored declares no memory write: s is read below */
+    for (int64_t n0 = 0, cur = 0; n0 < keys; n0 += STEP, cur ^= 1) {
+        const float (*sc)[ROWS] = s[cur];
+        uint32_t (*pc)[ROWS] = pt[cur];
         /* Rows see keys up to their positions (the first row's is the smallest): only steps past it mask. */
         const int causal = n0 + STEP - 1 > pos[0];
         __mmask16 seen[STEP];
         for (int64_t t = 0; t < STEP; t++)
             seen[t] = causal ? _mm512_cmpge_epi32_mask(row_pos, _mm512_set1_epi32((int)(n0 + t))) : 0xffff;
+        if (!resident && n0 > 0) PV_IN_MEMORY(pt[cur ^ 1], n0 - STEP);
         /* The step's maxima are taken in the first step, or when some probability may have passed e^slack (its
          * row's sum did), and then the step is exponentiated again (see RESCALE_SLACK). */
-        __m512 sum;
-        for (int exact = n0 == 0;; exact = 1) {
-            if (exact) {
+        for (int pass = 0;; pass++) {
+            if (pass > 0 || n0 == 0) {
                 __m512 top = _mm512_set1_ps(-FLT_MAX);
-                for (int64_t t = 0; t < STEP; t++) top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(s[t]));
+                for (int64_t t = 0; t < STEP; t++) top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(sc[t]));
                 const __m512 m_new = _mm512_max_ps(m, top);
                 /* exactly 1 where m stays; 0 before the first key (the floor keeps -FLT_MAX * to_log2 finite) */
                 const __m512 alpha = exp2_up_to_slack(
                     _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, m_new), to_log2), _mm512_set1_ps(-200.0f)));
                 l = _mm512_mul_ps(l, alpha);
                 m = m_new;
-                if (resident && n0 > 0) O_TILES(O_STORE);
-                if (!resident || n0 > 0)
+                if (n0 > 0) { /* every earlier step's P V is issued by now (pass 0 issued step n - 1's) */
+                    if (resident) O_TILES(O_STORE);
+                    __asm__ volatile("" ::: "memory"); /* the tile stores before the loads below */
                     for (int64_t i = 0; i < d; i++) _mm512_store_ps(o[i], _mm512_mul_ps(_mm512_load_ps(o[i]), alpha));
-                __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
-                if (resident && n0 > 0) O_TILES(O_LOAD);
+                    __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: the stores first */
+                    if (resident) O_TILES(O_LOAD);
+                }
             }
             const __m512 m_log2 = _mm512_mul_ps(m, to_log2);
-            sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < STEP; t += 2) { /* 2^((s - m) scale log2 e); keys a row does not see: 0 */
-                const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(
-                    _mm512_fmsub_ps(_mm512_load_ps(s[t]), to_log2, m_log2)));
-                const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(
-                    _mm512_fmsub_ps(_mm512_load_ps(s[t + 1]), to_log2, m_log2)));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));
-                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */
-                _mm512_store_si512((__m512i *)pt[t / 2], _mm512_permutexvar_epi16(pairs, pair));
+            __m512 sum = _mm512_setzero_ps();
+            int64_t t = 0; /* the step's keys exponentiated so far */
+            /* Keys [t, U) of the step: 2^((s - m) scale log2 e), 0 for keys a row does not see. */
+#define SOFTMAX_UPTO(U) for (const int64_t u = (U); t < u && t < STEP; t += 2) {                             \
+                const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(                              \
+                    _mm512_fmsub_ps(_mm512_load_ps(sc[t]), to_log2, m_log2)));                                  \
+                const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(                          \
+                    _mm512_fmsub_ps(_mm512_load_ps(sc[t + 1]), to_log2, m_log2)));                              \
+                sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));                                                \
+                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */          \
+                _mm512_store_si512((__m512i *)pc[t / 2], _mm512_permutexvar_epi16(pairs, pair));              \
             }
-            if (exact || !_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) break;
+            if (pass == 0) { /* a slice of the softmax after each tile product of the next scores and last P V */
+                const int next = n0 + STEP < keys, previous = resident && n0 > 0;
+                const int64_t products = (next ? d / 16 : 0) + (previous ? nt : 0);
+                const int64_t per = products ? (STEP / 2 + products - 1) / products * 2 : STEP; /* keys per slice */
+                if (next) {
+                    SCORES(n0 + STEP, SOFTMAX_UPTO(t + per));
+                    _tile_stored(T_S0, &s[cur ^ 1][0][0], 64);
+                    _tile_stored(T_S1, &s[cur ^ 1][16][0], 64);
+                }
+                if (previous) {
+                    const int64_t pv_n0 = n0 - STEP;
+                    _tile_loadd(T_B, &pt[cur ^ 1][0][0], 64);
+                    O_PRODUCT(0, T_O0);
+                    SOFTMAX_UPTO(t + per);
+                    if (nt > 1) { O_PRODUCT(1, T_O1); SOFTMAX_UPTO(t + per); }
+                    if (nt > 2) { O_PRODUCT(2, T_O2); SOFTMAX_UPTO(t + per); }
+                    if (nt > 3) { O_PRODUCT(3, T_O3); SOFTMAX_UPTO(t + per); }
+                }
+            }
+            SOFTMAX_UPTO(STEP);
+#undef SOFTMAX_UPTO
+            if (pass > 0 || n0 == 0 || !_mm512_cmp_ps_mask(sum, limit, _CMP_GT_OQ)) {
+                l = _mm512_add_ps(l, sum);
+                break;
+            }
         }
-        l = _mm512_add_ps(l, sum);
-        __asm__ volatile("" ::: "memory"); /* as above: pt is written before the tile load reads it */
-        _tile_loadd(T_B, &pt[0][0], 64);
+        __asm__ volatile("" ::: "memory"); /* as above: pt and s are written before tile loads read them */
+    }
+    if (keys > 0) { /* the last step's P V */
+        const int64_t last = (keys - 1) / STEP * STEP;
         if (resident) {
+            const int64_t pv_n0 = last;
+            _tile_loadd(T_B, &pt[(last / STEP) & 1][0][0], 64);
             O_TILES(O_PRODUCT);
         } else {
-            for (int64_t j = 0; j < nt; j++) {
-                float step_o[16][ROWS] __attribute__((aligned(64)));
-                _tile_zero(T_O0);
-                O_PRODUCT(j, T_O0);
-                _tile_stored(T_O0, &step_o[0][0], 64);
-                __asm__ volatile("" ::: "memory"); /* as above */
-                for (int64_t i = 0; i < 16; i++)
-                    _mm512_store_ps(o[16 * j + i], _mm512_add_ps(_mm512_load_ps(o[16 * j + i]), _mm512_load_ps(step_o[i])));
-            }
+            PV_IN_MEMORY(pt[(last / STEP) & 1], last);
         }
     }
     if (resident) O_TILES(O_STORE);
+    __asm__ volatile("" ::: "memory");
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
     for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* 16 dim pairs of all rows, normalised, then by row */
         __m512i x[16];
