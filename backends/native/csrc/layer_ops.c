@@ -63,7 +63,7 @@ static inline float inv_rms_bf16x32(const uint16_t *x, uint16_t *residual, const
         if (residual) {
             const __m512i r = _mm512_loadu_si512(residual + i);
             v = round_two_bf16(_mm512_add_ps(even_f32(v), even_f32(r)), _mm512_add_ps(odd_f32(v), odd_f32(r)));
-            _mm512_storeu_si512(residual + i, pairs_in_order(v));
+            _mm512_storeu_si512(residual + i, interleave_halves(v));
         }
         sumsq = _mm512_dpbf16_ps(sumsq, (__m512bh)v, (__m512bh)v); /* squares of bf16 values are exact in fp32 */
     }

@@ -37,6 +37,7 @@
 
 #include "amx.h"
 #include "prefill_tasks.h"
+#include "vector_math.h"
 
 #define ROWS 16   /* query rows per task: one tile of rows */
 #define STEP 32   /* keys per step: two score tiles, one probability tile */
@@ -121,17 +122,12 @@ static inline void transpose_16x16(__m512i *r) {
     }
 }
 
-/* bf16 words of two 16-lane vectors a, b (a's, then b's) -> per lane the pair (a, b), a in the low half */
-#define PAIRS _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, \
-                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
-
 /* Keys 0..ctx of one (sequence, KV head) from the paged cache: k[n] as stored (d bf16 each), and vt[i][n / 2]
  * dim i of keys n and n + 1 (one 32-bit pair, the first in the low half); zeros up to `padded` keys (a
  * multiple of STEP). */
 static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx, int64_t padded,
                    int64_t head, int64_t num_blocks, int64_t block_size, int64_t d, uint16_t *k, uint32_t *vt) {
     memset(k + ctx * d, 0, (padded - ctx) * d * 2);
-    const __m512i pairs = PAIRS;
     for (int64_t n0 = 0; n0 < ctx; n0 += 32) { /* 32 keys at a time: per dim, their 16 pairs make one vector */
         const int64_t nn = ctx - n0 < 32 ? ctx - n0 : 32;
         const uint16_t *v[32];
@@ -147,7 +143,7 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
                 const __m256i a = 2 * p < nn ? _mm256_loadu_si256((const __m256i *)(v[2 * p] + i0)) : _mm256_setzero_si256();
                 const __m256i b = 2 * p + 1 < nn ? _mm256_loadu_si256((const __m256i *)(v[2 * p + 1] + i0))
                                                  : _mm256_setzero_si256();
-                x[p] = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+                x[p] = interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
             }
             transpose_16x16(x);
             for (int64_t i = 0; i < 16; i++) _mm512_store_si512(vt + (i0 + i) * (padded / 2) + n0 / 2, x[i]);
@@ -227,7 +223,6 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
     for (int64_t r = 0; r < ROWS; r++) pos32[r] = (int32_t)pos[r];
     const __m512i row_pos = _mm512_loadu_si512(pos32);
     const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f), limit = _mm512_set1_ps(expf(RESCALE_SLACK));
-    const __m512i pairs = PAIRS;
     __asm__ volatile("" ::: "memory"); /* GCC's tileloadd declares no memory read: qt is stored first */
     SCORES(0, (void)0);
     _tile_stored(T_S0, &s[0][0][0], 64);
@@ -272,8 +267,7 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
                 const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(                          \
                     _mm512_fmsub_ps(_mm512_load_ps(sc[t + 1]), to_log2, m_log2)));                              \
                 sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));                                                \
-                const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 rows, then b's */          \
-                _mm512_store_si512((__m512i *)pc[t / 2], _mm512_permutexvar_epi16(pairs, pair));              \
+                _mm512_store_si512((__m512i *)pc[t / 2], interleave_halves(round_two_bf16(a, b)));            \
             }
             if (pass == 0) { /* a slice of the softmax after each tile product of the next scores and last P V */
                 const int next = n0 + STEP < keys, previous = resident && n0 > 0;
@@ -321,7 +315,7 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
         for (int64_t p = 0; p < 16; p++) {
             const __m512 a = _mm512_mul_ps(_mm512_load_ps(o[2 * (p0 + p)]), inv);
             const __m512 b = _mm512_mul_ps(_mm512_load_ps(o[2 * (p0 + p) + 1]), inv);
-            x[p] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(b, a)); /* lane r: row r's pair */
+            x[p] = interleave_halves(round_two_bf16(a, b)); /* lane r: row r's pair */
         }
         transpose_16x16(x);
         for (int64_t r = 0; r < rows; r++) _mm512_storeu_si512(out_rows[r] + 2 * p0, x[r]);

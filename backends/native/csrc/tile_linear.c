@@ -80,7 +80,7 @@ static inline void widen_tile(const int8_t *w, uint16_t *buf) {
     for (int i = 0; i < 512; i += 32) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i))));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i + 16))));
-        _mm512_store_si512((__m512i *)(buf + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_store_si512((__m512i *)(buf + i), round_two_bf16(lo, hi));
     }
 }
 
@@ -143,8 +143,9 @@ static inline void drain(struct pending *p, int upto) {
             _mm256_storeu_si256((__m256i *)out, silu_mul_bf16x16(round_bf16(lo), round_bf16(hi)));
         } else if (p->rounding == ADD_TO_OUT) { /* the products rounded, then their sums with out */
             const __m512i products = round_two_bf16(lo, hi), sums = _mm512_loadu_si512(out);
-            _mm512_storeu_si512(out, pairs_in_order(round_two_bf16(_mm512_add_ps(even_f32(products), even_f32(sums)),
-                                                                   _mm512_add_ps(odd_f32(products), odd_f32(sums)))));
+            const __m512 even = _mm512_add_ps(even_f32(products), even_f32(sums));
+            const __m512 odd = _mm512_add_ps(odd_f32(products), odd_f32(sums));
+            _mm512_storeu_si512(out, interleave_halves(round_two_bf16(even, odd)));
         } else {
             _mm512_storeu_si512(out, round_two_bf16(lo, hi));
         }

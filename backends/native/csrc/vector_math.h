@@ -32,11 +32,13 @@ static inline __m512 odd_f32(__m512i pairs) {
  * split by even_f32 and odd_f32, value m then lies at word m / 2 (even m) or 16 + m / 2 (odd m). */
 static inline __m512i round_two_bf16(__m512 a, __m512 b) { return (__m512i)_mm512_cvtne2ps_pbh(b, a); }
 
-/* round_two_bf16's words of a block split by even_f32 and odd_f32, back in the block's order. */
-static inline __m512i pairs_in_order(__m512i rounded) {
+/* The 16-bit words of v's two halves interleaved: word i of the low half and word i of the high half become pair
+ * i (32-bit lane i, the low half's word first). round_two_bf16's words of a block split by even_f32 and odd_f32
+ * come back in the block's order; two rounded vectors of 16 lanes become 16 pairs of their lanes. */
+static inline __m512i interleave_halves(__m512i v) {
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(order, rounded);
+    return _mm512_permutexvar_epi16(order, v);
 }
 
 /* exp(x) to ~2e-7 relative: 2^round(x log2 e) times a degree-6 polynomial of the rest; x clamped below at -87
