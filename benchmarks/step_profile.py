@@ -11,9 +11,10 @@ the residual stream, when the norms only normalise), attention (every layer's ow
 from a real run of the step: its speed depends on the scores), the layer ops (RMSNorm +
 residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
-its own noise, so a small negative rest means "nothing measurable"). A decode step that runs fused
-(fused_decode.py: up to 64 sequences on AMX tiles, 128 on fp32 strips) has its parts timed layer by layer
-from Python all the same, so its rest leaves out the Python the fused step saves. Model FLOP/s counts 2 x parameters x tokens
+its own noise, so a small negative rest means "nothing measurable"). A step that runs fused (fused_step.py:
+every step of a bf16 model on AMX tiles; up to 64 rows on int8 tiles, 128 on fp32 strips) has its parts timed
+layer by layer from Python all the same, so the parts' sum counts the Python that the fused step saves, and
+its rest can be negative. Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
 the fastest matmul of the engine's dtype measured in the same run: torch's square matmul and, for bf16 on AMX
 tiles, the engine's own tile kernel on the same square and on the model's gate/up shape, where it is fastest
@@ -116,7 +117,7 @@ def real_attention_inputs(runner: ModelRunner, batch: Batch, meta) -> list[tuple
     inputs: list[torch.Tensor] = []
     hooks = [layer.self_attn.register_forward_pre_hook(lambda _, args: inputs.append(args[0].clone()))
              for layer in runner.model.layers]
-    try:  # the model's own forward: a fused decode step (fused_decode.py) would not call the layers
+    try:  # the model's own forward: a fused step (fused_step.py) would not call the layers
         runner.model(torch.tensor(batch.token_ids), torch.tensor(batch.positions), runner.kv_caches, meta)
     finally:
         for hook in hooks:

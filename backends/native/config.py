@@ -45,7 +45,7 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     num_threads: int | None = Field(None, ge=1)  # None: CPU affinity capped by the cgroup quota
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
-    enforce_eager: bool = False  # every step through the torch modules: no CUDA graphs, no fused CPU decode (vLLM's name)
+    enforce_eager: bool = False  # every step through the torch modules: no CUDA graphs, no fused CPU steps (vLLM's name)
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
     # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are

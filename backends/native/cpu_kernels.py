@@ -65,7 +65,7 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
                                     f32, i32],
     "strip_linear_supported": [],
     "strip_linear": [ptr, ptr, ptr, i64, i64, i64],
-    "decode_layers": [ptr, i64, ptr, ptr, ptr],
+    "step_layers": [ptr, i64, ptr, ptr, ptr],
 }
 
 

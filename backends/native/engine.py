@@ -260,7 +260,7 @@ class LLMEngine:
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
                 "cuda_graphs": runner.graphs is not None,
-                "fused_decode": runner.fused is not None}  # small CPU decode steps in one C call (fused_decode.py)
+                "fused_steps": runner.fused is not None}  # CPU steps in one C call (fused_step.py)
 
     def stats(self) -> EngineStats:
         return EngineStats(

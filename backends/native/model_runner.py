@@ -17,7 +17,7 @@ from backends.native.attention import Kernels, choose_kernels
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
-from backends.native.fused_decode import FusedDecode
+from backends.native.fused_step import FusedStep
 from backends.native.host_memory import keep_freed_memory
 from backends.native.linear import Linear
 from backends.native.model import LlamaModel, dummy_tensors
@@ -98,7 +98,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels.attention, config.max_num_seqs,
                                        -(-max_model_len // self.block_size))
-        self.fused = None if config.enforce_eager else FusedDecode.build(self.model, self.kv_caches, self.kernels)
+        self.fused = None if config.enforce_eager else FusedStep.build(self.model, self.kv_caches, self.kernels)
 
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
         int8 = config.quantization == "int8"

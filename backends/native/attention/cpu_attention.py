@@ -110,14 +110,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Sequence ``i`` owns rows ``query_starts[i]:query_starts[i] + query_lens[i]`` of ``q`` [T, Hq, D]; they
     are the last of its ``context_lens[i]`` positions (a cached prefix precedes them). ``block_tables``
     [n, max_blocks]; the per-sequence tensors [n], int64. Written into ``out`` (contiguous) when given.
-    With ``amx``, bf16 runs on the AMX tiles where this CPU and the layout allow (and ``scale`` > 0: the tile
-    kernel keeps its running maxima on unscaled scores).
+    With ``amx``, bf16 runs on the AMX tiles where ``amx_prefill_runs``.
     """
     hkv, _, block_size, d = k_cache.shape
-    tiles = (amx and q.dtype == torch.bfloat16 and scale > 0
-             and _amx_prefill_supported(q.shape[1], hkv, d, block_size))
+    tiles = amx and amx_prefill_runs(q.dtype, scale, q.shape[1], hkv, d, block_size)
     kernel = library().paged_prefill_attention_amx if tiles else library().paged_prefill_attention
     return _run(kernel, q, k_cache, v_cache, block_tables, [query_starts, query_lens, context_lens], scale, out)
+
+
+def amx_prefill_runs(dtype: torch.dtype, scale: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int) -> bool:
+    """Whether prefill chunks of this layout run on csrc/prefill_attention_amx.c here: bf16 on AMX tiles, a
+    layout it takes, and ``scale`` > 0 (the tile kernel keeps its running maxima on unscaled scores)."""
+    return dtype == torch.bfloat16 and scale > 0 and _amx_prefill_supported(num_heads, num_kv_heads, head_dim,
+                                                                            block_size)
 
 
 @functools.cache

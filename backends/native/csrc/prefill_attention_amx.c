@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "kernels.h"
 #include "prefill_tasks.h"
 #include "vector_math.h"
 

@@ -26,8 +26,9 @@ def test_every_row_count_up_to_the_token_budget_pads_to_one_of_a_few_buckets():
 
 @pytest.fixture(scope="module")
 def runner():
+    # eager: the padding is for steps through the torch modules (a fused step, fused_step.py, takes any row count)
     config = EngineConfig(dtype="float32", device="cpu", load_format="dummy", max_model_len=256, num_blocks=64,
-                          warmup=False)
+                          warmup=False, enforce_eager=True)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     assert runner.pad_rows  # a CPU with oneDNN: the packed weights are what pads
     return runner
@@ -76,8 +77,9 @@ def test_every_matmul_of_a_step_sees_a_bucketed_row_count(runner):
 
 def test_a_model_whose_every_matmul_is_a_tile_kernel_pads_no_step():
     # bf16 on AMX: the tile layouts serve every step of SmolLM2's layers and take any row count
+    # eager, for the layers' hooks to see each matmul (a fused step, fused_step.py, takes any row count as well)
     config = EngineConfig(dtype="bfloat16", device="cpu", load_format="dummy", max_model_len=256, num_blocks=64,
-                          warmup=False)
+                          warmup=False, enforce_eager=True)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     if not all(m.layout_only for m in linears):
