@@ -592,9 +592,9 @@ static void attend_slice_any(const float *const *krow, const float *const *vrow,
 /* Causal attention for prefill chunks, reading all keys (cached prefix and this chunk's, already written)
  * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
- * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of
- * TILE_ROWS / group queries); a tile walks its keys KEYS at a time, across blocks. bf16 keys and values
- * are widened slice by slice; fp32 ones are read in place. Returns 0, or -1 for a layout
+ * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of TILE_ROWS
+ * query rows: its tokens x the group's query heads, prefill_tasks.h); a tile walks its keys KEYS at a time,
+ * across blocks. bf16 keys and values are widened slice by slice; fp32 ones are read in place. Returns 0, or -1 for a layout
  * paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
@@ -603,32 +603,32 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
                             float scale, int is_bf16) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
-    const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = TILE_ROWS / group;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim;
     #pragma omp parallel
     {
         int64_t first, end; /* a task's fixed work, its queries' loads and output, ~1 slice of keys */
-        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, KEYS, 1, &first, &end);
+        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, group, TILE_ROWS, KEYS, 1, &first, &end);
         for (int64_t task = first; task < end; task++) {
-            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
-            const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
-            const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
+            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, group, TILE_ROWS);
+            const int64_t s = t.seq, h = t.head, first = t.first_row, rows = t.rows;
+            const int64_t prefix = context_lens[s] - query_lens[s];
             const int rv = (int)((rows + LANES - 1) / LANES); /* lanes past `rows`: the last row again, dropped */
             float qt[MAX_HEAD_DIM][TILE_ROWS], ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
             float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM]; /* bf16 keys and values, widened */
             const float *krow[KEYS], *vrow[KEYS];
             int32_t pos[TILE_ROWS];
-            for (int64_t r = 0; r < rv * LANES; r++) { /* row r: query first_q + r / group, head h * group + r % group */
-                const int64_t row = r < rows ? r : rows - 1;
-                const int64_t at = (query_starts[s] + first_q + row / group) * q_stride + (h * group + row % group) * d;
+            for (int64_t r = 0; r < rv * LANES; r++) {
+                const int64_t row = first + (r < rows ? r : rows - 1); /* token row / group, head row % group */
+                const int64_t at = (query_starts[s] + row / group) * q_stride + (h * group + row % group) * d;
                 for (int64_t i = 0; i < d; i++) {
                     qt[i][r] = load(q, at + i, is_bf16) * scale;
                     ot[i][r] = 0.0f;
                 }
-                pos[r] = (int32_t)(prefix + first_q + row / group);
+                pos[r] = (int32_t)(prefix + row / group);
                 m[r] = -FLT_MAX;
                 l[r] = 0.0f;
             }
-            const int64_t keys = prefix + first_q + nq; /* the tile's last query sees this many keys */
+            const int64_t keys = prefill_tile_keys(query_lens, context_lens, s, first, rows, group);
             for (int64_t key0 = 0; key0 < keys; key0 += KEYS) {
                 const int64_t n = keys - key0 < KEYS ? keys - key0 : KEYS;
                 for (int64_t j = 0, run; j < n; j += run) { /* the slice's keys, block by block */
@@ -647,8 +647,8 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                 for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];
                 attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt, ot, m, l);
             }
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t at = ((query_starts[s] + first_q + r / group) * num_heads + h * group + r % group) * d;
+            for (int64_t r = 0, row = first; r < rows; r++, row++) {
+                const int64_t at = ((query_starts[s] + row / group) * num_heads + h * group + row % group) * d;
                 const float inv = 1.0f / l[r];
                 for (int64_t i = 0; i < d; i++) store(out, at + i, ot[i][r] * inv, is_bf16);
             }

@@ -5,8 +5,9 @@
  * transposed into key pairs per dimension (the A operand of the output), each step's 32 keys in a block of
  * their own, so that every value tile is 1 KB in one piece (with rows of all the keys, a tile's 16 rows lay
  * a multiple of 1 KB apart and fell into the same few L1 sets: the kernel 5% slower); 64 KB per 512 keys at
- * head size 64, shared by all its query tiles. Then one task per (sequence, KV head, tile of 16 query rows: query
- * tokens x the heads of the KV group) walks the keys 32 at a time. Its queries, as dimension pairs by row,
+ * head size 64, shared by all its query tiles. Then one task per (sequence, KV head, tile of 16 query rows: the
+ * query tokens x the heads of the KV group, token-major, a token's heads split between tiles where 16 rows end
+ * inside it: prefill_tasks.h) walks the keys 32 at a time. Its queries, as dimension pairs by row,
  * are the B operand: the scores come out transposed (32 keys x 16 rows, four tile products at head size 64),
  * so each row's online softmax (running maximum and sum, causal mask) runs down the key vectors with no
  * reduction across lanes, and its rescale is one vector. The probabilities are rounded to bf16 (as GPU
@@ -338,7 +339,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
     /* scale > 0: the running maxima are kept on unscaled scores */
     if (!is_bf16 || !(scale > 0) || !prefill_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size))
         return 1;
-    const int64_t group = num_heads / num_kv_heads, d = head_dim, tile = ROWS / group;
+    const int64_t group = num_heads / num_kv_heads, d = head_dim;
     int64_t *offset = malloc((num_seqs + 1) * sizeof *offset); /* each sequence's gathered keys, in elements */
     if (!offset) return -2;
     offset[0] = 0;
@@ -366,23 +367,23 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
         int64_t first, end; /* a task's fixed work (queries' and output's transposes) costs ~6 steps of keys */
-        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, tile, STEP, 6, &first, &end);
+        prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, group, ROWS, STEP, 6, &first, &end);
         for (int64_t task = first; task < end; task++) {
-            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, tile);
-            const int64_t s = t.seq, h = t.head, first_q = t.first_q, nq = t.nq;
-            const int64_t rows = nq * group, prefix = context_lens[s] - query_lens[s];
+            const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, group, ROWS);
+            const int64_t s = t.seq, h = t.head, rows = t.rows, prefix = context_lens[s] - query_lens[s];
             const int64_t padded = (context_lens[s] + STEP - 1) / STEP * STEP, at = offset[s] + h * padded * d / 2;
             const uint16_t *q_rows[ROWS];
             uint16_t *out_rows[ROWS];
             int64_t pos[ROWS];
-            for (int64_t r = 0; r < ROWS; r++) { /* row r: query first_q + r / group, head h * group + r % group */
-                const int64_t token = query_starts[s] + first_q + (r < rows ? r : rows - 1) / group;
-                const int64_t head = h * group + (r < rows ? r : rows - 1) % group;
+            for (int64_t r = 0; r < ROWS; r++) { /* rows past `rows`: the last one again, its output dropped */
+                const int64_t row = t.first_row + (r < rows ? r : rows - 1);
+                const int64_t token = query_starts[s] + row / group, head = h * group + row % group;
                 q_rows[r] = (const uint16_t *)q + token * q_stride + head * d;
                 out_rows[r] = (uint16_t *)out + (token * num_heads + head) * d;
-                pos[r] = prefix + first_q + (r < rows ? r : rows - 1) / group;
+                pos[r] = prefix + row / group;
             }
-            attend_tile(q_rows, rows, pos, prefix + first_q + nq, keys + 2 * at, values + at, padded, d, scale, out_rows);
+            const int64_t seen = prefill_tile_keys(query_lens, context_lens, s, t.first_row, rows, group);
+            attend_tile(q_rows, rows, pos, seen, keys + 2 * at, values + at, padded, d, scale, out_rows);
         }
         _mm_setcsr(csr);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */

@@ -1,32 +1,41 @@
-/* How the prefill attention kernels split a step's work: one task per (tile of up to `tile` query tokens of
- * one sequence, KV head), numbered tile-major over the sequences in order (a tile's KV heads one after the
- * other), so a run of tasks covers a run of the step's tokens. Shared by paged_attention.c (vector) and prefill_attention_amx.c (tiles). */
+/* How the prefill attention kernels split a step's work: one task per (tile of up to `tile` query rows of one
+ * sequence, KV head). A sequence's query rows are its query tokens times the `group` query heads of a KV head,
+ * token-major (row r: token r / group, head r % group of the KV head), so a tile of rows is full whatever the
+ * group (tiles of whole tokens left a row of every 16 empty at SmolLM2's group of 3). Tasks are numbered
+ * tile-major over the sequences in order (a tile's KV heads one after the other), so a run of tasks covers a run
+ * of the step's tokens. Shared by paged_attention.c (vector) and prefill_attention_amx.c (tiles). */
 #pragma once
 
 #include <omp.h>
 #include <stdint.h>
 
 struct prefill_task {
-    int64_t seq, head;     /* the sequence and its KV head */
-    int64_t first_q, nq;   /* the tile's first query token (counted within the sequence's chunk) and count */
+    int64_t seq, head;        /* the sequence and its KV head */
+    int64_t first_row, rows;  /* the tile's first query row (counted within the sequence's chunk) and count */
 };
 
-/* Task number `task`: its sequence, KV head and query tile. */
+/* Task number `task`: its sequence, KV head and tile of rows. */
 static inline struct prefill_task prefill_task(int64_t task, const int64_t *query_lens, int64_t num_kv_heads,
-                                               int64_t tile) {
+                                               int64_t group, int64_t tile) {
     struct prefill_task t = {.seq = 0, .head = task % num_kv_heads};
     int64_t t0 = task / num_kv_heads;
-    while (t0 >= (query_lens[t.seq] + tile - 1) / tile) t0 -= (query_lens[t.seq++] + tile - 1) / tile;
-    t.first_q = t0 * tile;
-    t.nq = query_lens[t.seq] - t.first_q < tile ? query_lens[t.seq] - t.first_q : tile;
+    while (t0 >= (query_lens[t.seq] * group + tile - 1) / tile) t0 -= (query_lens[t.seq++] * group + tile - 1) / tile;
+    t.first_row = t0 * tile;
+    t.rows = query_lens[t.seq] * group - t.first_row < tile ? query_lens[t.seq] * group - t.first_row : tile;
     return t;
 }
 
-/* What a query tile costs: its steps of `step` keys (its last token sees them all), plus `fixed`, its other work. */
-static inline int64_t prefill_tile_cost(const int64_t *query_lens, const int64_t *context_lens, int64_t s, int64_t q0,
-                                        int64_t tile, int64_t step, int64_t fixed) {
-    const int64_t keys = context_lens[s] - query_lens[s] + (q0 + tile < query_lens[s] ? q0 + tile : query_lens[s]);
-    return (keys + step - 1) / step + fixed;
+/* The keys the tile of rows from r0 sees: its last row's token sees them all. */
+static inline int64_t prefill_tile_keys(const int64_t *query_lens, const int64_t *context_lens, int64_t s, int64_t r0,
+                                        int64_t rows, int64_t group) {
+    return context_lens[s] - query_lens[s] + (r0 + rows - 1) / group + 1;
+}
+
+/* What a tile costs: its steps of `step` keys, plus `fixed`, its other work. */
+static inline int64_t prefill_tile_cost(const int64_t *query_lens, const int64_t *context_lens, int64_t s, int64_t r0,
+                                        int64_t group, int64_t tile, int64_t step, int64_t fixed) {
+    const int64_t rows = query_lens[s] * group - r0 < tile ? query_lens[s] * group - r0 : tile;
+    return (prefill_tile_keys(query_lens, context_lens, s, r0, rows, group) + step - 1) / step + fixed;
 }
 
 /* The calling OpenMP thread's tasks [*first, *end): a run of them in token order, of about equal cost
@@ -35,19 +44,19 @@ static inline int64_t prefill_tile_cost(const int64_t *query_lens, const int64_t
  * rows evenly, reads on the same core; a dynamic schedule interleaved both between the cores. SmolLM2's 4 x
  * 512-token step on the tiles: attention 1.2 -> 0.95 ms per layer, the fp32 vector kernel 3% faster. */
 static inline void prefill_share(const int64_t *query_lens, const int64_t *context_lens, int64_t num_seqs,
-                                 int64_t num_kv_heads, int64_t tile, int64_t step, int64_t fixed, int64_t *first,
-                                 int64_t *end) {
+                                 int64_t num_kv_heads, int64_t group, int64_t tile, int64_t step, int64_t fixed,
+                                 int64_t *first, int64_t *end) {
     const int64_t me = omp_get_thread_num(), threads = omp_get_num_threads();
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; s++)
-        for (int64_t q0 = 0; q0 < query_lens[s]; q0 += tile)
-            total += prefill_tile_cost(query_lens, context_lens, s, q0, tile, step, fixed) * num_kv_heads;
+        for (int64_t r0 = 0; r0 < query_lens[s] * group; r0 += tile)
+            total += prefill_tile_cost(query_lens, context_lens, s, r0, group, tile, step, fixed) * num_kv_heads;
     const int64_t from = total * me / threads, to = total * (me + 1) / threads;
     int64_t cost = 0, task = 0;
     *first = -1;
     for (int64_t s = 0; s < num_seqs; s++)
-        for (int64_t q0 = 0; q0 < query_lens[s]; q0 += tile) {
-            const int64_t each = prefill_tile_cost(query_lens, context_lens, s, q0, tile, step, fixed);
+        for (int64_t r0 = 0; r0 < query_lens[s] * group; r0 += tile) {
+            const int64_t each = prefill_tile_cost(query_lens, context_lens, s, r0, group, tile, step, fixed);
             for (int64_t h = 0; h < num_kv_heads; h++, task++) {
                 if (cost >= from && *first < 0) *first = task;
                 if (cost >= to) {

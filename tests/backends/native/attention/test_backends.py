@@ -141,8 +141,9 @@ def test_scores_hundreds_apart_give_the_softmax_answer(make_backend, dtype, hq, 
 def test_bf16_caches_give_bf16_answers_within_rounding(make_backend, hq, hkv, d, block_size):
     # On a CPU with AMX tiles the C decode kernel multiplies bf16 caches on the tiles where blocks hold a
     # multiple of 16 keys (16, 64: groups of 1 to 5 query heads, partial last 16 keys) and on vectors
-    # otherwise (24), and prefill chunks run on the tiles (rows of 1 to 16 query tokens per tile of 16, with
-    # and without cached prefixes, any block size) unless the vector kernel is asked for; elsewhere on vectors
+    # otherwise (24), and prefill chunks run on the tiles (16 query rows, tokens x heads, per tile: a group of 3
+    # splits a token's heads between tiles; with and without cached prefixes, any block size) unless the vector
+    # kernel is asked for; elsewhere on vectors
     device = DEVICE if make_backend not in CPU_ONLY else torch.device("cpu")
     (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.bfloat16, device, block_size)
     backend = make_backend(block_size, k_cache.shape[1] - 1, device)
