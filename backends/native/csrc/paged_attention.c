@@ -594,8 +594,8 @@ static void attend_slice_any(const float *const *krow, const float *const *vrow,
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
  * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of TILE_ROWS
  * query rows: its tokens x the group's query heads, prefill_tasks.h); a tile walks its keys KEYS at a time,
- * across blocks. bf16 keys and values are widened slice by slice; fp32 ones are read in place. Returns 0, or -1 for a layout
- * paged_attention_supported refuses. */
+ * across blocks. bf16 keys and values are widened slice by slice; fp32 ones are read in place. Returns 0, or -1
+ * for a layout paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
                             int64_t table_stride, const int64_t *query_starts, const int64_t *query_lens,

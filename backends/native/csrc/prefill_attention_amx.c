@@ -126,13 +126,16 @@ static inline void transpose_16x16(__m512i *r) {
     }
 }
 
+/* The gathered values of the step of keys from N0 (a multiple of STEP): a block [d][STEP / 2] of key pairs. */
+#define STEP_VALUES(VT, N0, D) ((VT) + (N0) / STEP * ((D) * STEP / 2))
+
 /* Keys 0..ctx of one (sequence, KV head) from the paged cache: k[n] as stored (d bf16 each), and in vt, per step
  * of STEP keys from n0, a block [d][STEP / 2] whose [i][p] is dim i of keys n0 + 2p and n0 + 2p + 1 (one 32-bit
  * pair, the first in the low half); zeros up to `padded` keys (a multiple of STEP). */
 static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx, int64_t padded,
                    int64_t head, int64_t num_blocks, int64_t block_size, int64_t d, uint16_t *k, uint32_t *vt) {
     memset(k + ctx * d, 0, (padded - ctx) * d * 2);
-    for (int64_t n0 = 0; n0 < ctx; n0 += 32) { /* a step's keys (STEP) at a time: per dim, 16 pairs, one vector */
+    for (int64_t n0 = 0; n0 < ctx; n0 += 32) { /* a step's keys at a time: per dim, their 16 pairs make one vector */
         const int64_t nn = ctx - n0 < 32 ? ctx - n0 : 32;
         const uint16_t *v[32];
         for (int64_t t = 0; t < nn; t++) {
@@ -150,7 +153,7 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
                 x[p] = interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
             }
             transpose_16x16(x);
-            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(vt + n0 / STEP * (d * STEP / 2) + (i0 + i) * (STEP / 2), x[i]);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(STEP_VALUES(vt, n0, d) + (i0 + i) * (STEP / 2), x[i]);
         }
     }
 }
@@ -161,9 +164,8 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
 #define O_LOAD(J, T) _tile_loadd(T, &o[16 * (J)][0], 64)
 #define O_ZERO(J, T) _tile_zero(T)
 /* Output tile T += the values of dims 16 J.. of the step at key PV_N0 times the probabilities in T_B. */
-#define O_PRODUCT(J, T) do {                                                                      \
-        _tile_loadd(T_A, vt + pv_n0 / STEP * (d * STEP / 2) + 16 * (J) * (STEP / 2), STEP * 2);  \
-        _tile_dpbf16ps(T, T_A, T_B); } while (0)
+#define O_PRODUCT(J, T) do { _tile_loadd(T_A, STEP_VALUES(vt, pv_n0, d) + 16 * (J) * (STEP / 2), STEP * 2); \
+                             _tile_dpbf16ps(T, T_A, T_B); } while (0)
 
 /* The scores of keys [N0, N0 + STEP) for the task's rows, transposed: keys by rows, in T_S0 and T_S1; AFTER runs
  * after each tile product (a slice of the vector work they overlap). */
@@ -366,7 +368,8 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
          * to 0 instead of to denormals, whose arithmetic takes microcode assists (and masked keys need no clamp). */
         const unsigned int csr = _mm_getcsr();
         _mm_setcsr(csr | 0x8040);
-        int64_t first, end; /* a task's fixed work (queries' and output's transposes) costs ~6 steps of keys */
+        int64_t first, end; /* a task's fixed work (its first scores and last P V, which nothing overlaps, and the
+                             * transposes of queries and output) weighs as ~6 steps of keys */
         prefill_share(query_lens, context_lens, num_seqs, num_kv_heads, group, ROWS, STEP, 6, &first, &end);
         for (int64_t task = first; task < end; task++) {
             const struct prefill_task t = prefill_task(task, query_lens, num_kv_heads, group, ROWS);
@@ -382,8 +385,8 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
                 out_rows[r] = (uint16_t *)out + (token * num_heads + head) * d;
                 pos[r] = prefix + row / group;
             }
-            const int64_t seen = prefill_tile_keys(query_lens, context_lens, s, t.first_row, rows, group);
-            attend_tile(q_rows, rows, pos, seen, keys + 2 * at, values + at, padded, d, scale, out_rows);
+            const int64_t visible = prefill_tile_keys(query_lens, context_lens, s, t.first_row, rows, group);
+            attend_tile(q_rows, rows, pos, visible, keys + 2 * at, values + at, padded, d, scale, out_rows);
         }
         _mm_setcsr(csr);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */

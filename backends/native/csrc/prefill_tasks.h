@@ -14,6 +14,11 @@ struct prefill_task {
     int64_t first_row, rows;  /* the tile's first query row (counted within the sequence's chunk) and count */
 };
 
+/* The rows of sequence s's tile from row r0: `tile`, or fewer in its last. */
+static inline int64_t prefill_tile_rows(const int64_t *query_lens, int64_t s, int64_t r0, int64_t group, int64_t tile) {
+    return query_lens[s] * group - r0 < tile ? query_lens[s] * group - r0 : tile;
+}
+
 /* Task number `task`: its sequence, KV head and tile of rows. */
 static inline struct prefill_task prefill_task(int64_t task, const int64_t *query_lens, int64_t num_kv_heads,
                                                int64_t group, int64_t tile) {
@@ -21,7 +26,7 @@ static inline struct prefill_task prefill_task(int64_t task, const int64_t *quer
     int64_t t0 = task / num_kv_heads;
     while (t0 >= (query_lens[t.seq] * group + tile - 1) / tile) t0 -= (query_lens[t.seq++] * group + tile - 1) / tile;
     t.first_row = t0 * tile;
-    t.rows = query_lens[t.seq] * group - t.first_row < tile ? query_lens[t.seq] * group - t.first_row : tile;
+    t.rows = prefill_tile_rows(query_lens, t.seq, t.first_row, group, tile);
     return t;
 }
 
@@ -34,7 +39,7 @@ static inline int64_t prefill_tile_keys(const int64_t *query_lens, const int64_t
 /* What a tile costs: its steps of `step` keys, plus `fixed`, its other work. */
 static inline int64_t prefill_tile_cost(const int64_t *query_lens, const int64_t *context_lens, int64_t s, int64_t r0,
                                         int64_t group, int64_t tile, int64_t step, int64_t fixed) {
-    const int64_t rows = query_lens[s] * group - r0 < tile ? query_lens[s] * group - r0 : tile;
+    const int64_t rows = prefill_tile_rows(query_lens, s, r0, group, tile);
     return (prefill_tile_keys(query_lens, context_lens, s, r0, rows, group) + step - 1) / step + fixed;
 }
 

@@ -32,10 +32,6 @@ struct layer_weights {
 
 enum weight_kind { BF16_TILES = 0, INT8_TILES = 1, FP32_STRIPS = 2 };
 
-/* Up to this many rows the tile kernel streams the weights (tile_linear.c's STREAM_ROWS, linear.py's TILE_ROWS);
- * beyond, bf16 tiles take its blocked path, whose rounding pass adds into the residual stream or does SwiGLU. */
-#define STREAM_ROWS 64
-
 /* The step's shape and the model's constants. */
 struct step_shape {
     int64_t rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;

@@ -49,9 +49,6 @@ int tile_linear_supported(void) {
 #define T_X 5
 #define T_X_REST 6
 #define T_REST 7
-/* Up to this many rows a step streams the weight (4 A tiles per B tile); more take the blocked path. TILE_ROWS
- * in linear.py, up to which weights that are not a tile layout's only copy read the tiles at all, is the same. */
-#define STREAM_ROWS 64
 /* int8 tiles are asked for this many tiles (4 KB) ahead: the widening between tile products left the
  * hardware prefetcher behind (SmolLM2's int8 layers at one row 7.9 -> 5.4 ms; 4 or 16 ahead were slower).
  * bf16 tiles stream without it, and asking ahead made them slower (10.4 -> 11.2 ms at one row). */
