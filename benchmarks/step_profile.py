@@ -19,7 +19,8 @@ its rest can be negative. Model FLOP/s counts 2 x parameters x tokens
 the fastest matmul of the engine's dtype measured in the same run: torch's square matmul and, for bf16 on AMX
 tiles, the engine's own tile kernel on the same square and on the model's gate/up shape, where it is fastest
 (a peak of torch's alone would flatter the engine, whose kernel beats it); ``mfu_vs_torch_matmul`` keeps the
-ratio to torch's square matmul alone.
+ratio to torch's square matmul alone. Each part with FLOPs is also shown at the peak (its FLOPs / the peak), and
+for the prefill step, the step time an MFU of 75% would take beside the time the parts spend above the peak.
 For the C attention kernel the script also times SDPA's causal kernel on the prefill's shape (keys and values
 contiguous, so it gets no paged-cache gather).
 
@@ -178,8 +179,9 @@ def profile_step(runner: ModelRunner, batch: Batch, repeats: int) -> dict:
     out = {"tokens": tokens, "sequences": len(batch.query_lens), "step_s": step, "parts": {}}
     for name, (fn, flops) in parts.items():
         seconds = timed(fn, repeats)
-        out["parts"][name] = {"s": seconds, "share": seconds / step, "gflop_s": flops / seconds / 1e9 if flops else None}
-    out["parts"]["rest"] = {"s": step - sum(p["s"] for p in out["parts"].values()), "gflop_s": None}
+        out["parts"][name] = {"s": seconds, "share": seconds / step, "gflop": flops / 1e9,
+                              "gflop_s": flops / seconds / 1e9 if flops else None}
+    out["parts"]["rest"] = {"s": step - sum(p["s"] for p in out["parts"].values()), "gflop": 0.0, "gflop_s": None}
     out["parts"]["rest"]["share"] = out["parts"]["rest"]["s"] / step
     out["model_flops"] = sum(flops for _, flops in parts.values())
     out["model_gflop_s"] = out["model_flops"] / step / 1e9
@@ -226,8 +228,17 @@ def main() -> None:
               f"of the matmul peak ({peak / 1e9:.1f} GFLOP/s, {runner.dtype}; "
               + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()) + ")")
         for part, p in r["parts"].items():
-            rate = f"{p['gflop_s']:7.1f} GFLOP/s" if p["gflop_s"] else ""
-            print(f"  {part:16s} {p['s'] * 1000:8.1f} ms  {p['share']:6.1%}  {rate}")
+            p["s_at_peak"] = p["gflop"] * 1e9 / peak
+            rate = f"{p['gflop_s']:7.1f} GFLOP/s, {p['s_at_peak'] * 1000:5.1f} ms at the peak" if p["gflop_s"] else ""
+            print(f"  {part:20s} {p['s'] * 1000:8.1f} ms  {p['share']:6.1%}  {rate}")
+        if name != "prefill":  # a decode step is bound by memory, not by the matmul peak
+            continue
+        # the goal (MFU 75%) as a step time, beside how far each kind of part is from the peak
+        r["step_s_at_75_percent"] = r["model_flops"] / (0.75 * peak)
+        over_peak = sum(p["s"] - p["s_at_peak"] for p in r["parts"].values() if p["gflop_s"])
+        no_flops = sum(p["s"] for p in r["parts"].values() if not p["gflop_s"])
+        print(f"  MFU 75% needs a step of {r['step_s_at_75_percent'] * 1000:.1f} ms; the parts with FLOPs take "
+              f"{over_peak * 1000:.1f} ms more than at the peak, the others (and the rest) {no_flops * 1000:.1f} ms")
     attn = runner.model.layers[0].self_attn
     sdpa = sdpa_prefill(args.prompts, args.prompt_len, attn.num_heads, attn.num_kv_heads, attn.head_dim, runner.dtype,
                         args.repeats)
