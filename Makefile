@@ -63,17 +63,24 @@ lint: install-dev
 	.peers/guidellm/bin/pip install -q torch==2.13.0
 	.peers/guidellm/bin/pip install -q guidellm==0.8.1
 
-# llama.cpp's server compiles for 16-20 min here. Its native build (GGML_NATIVE) crashed in AMX code on one
-# machine of this kind, and a build naming AVX512 dies of SIGILL on another without it: the instruction sets
-# are named from this CPU's flags.
+# llama.cpp's own server (llama-server: continuous batching over parallel slots), built from the llama.cpp
+# vendored in llama-cpp-python's pinned sdist (PyPI is what this machine reaches); ~5 min here. Its native build
+# (GGML_NATIVE) crashed in AMX code on one machine of this kind, and a build naming AVX512 dies of SIGILL on
+# another without it: the instruction sets are named from this CPU's flags.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SRC := .peers/llamacpp/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 has_flag = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
 LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA=$(call has_flag,fma) \
 	-DGGML_F16C=$(call has_flag,f16c) -DGGML_AVX512=$(call has_flag,avx512f) \
 	-DGGML_AVX512_BF16=$(call has_flag,avx512_bf16) -DGGML_AVX512_VNNI=$(call has_flag,avx512_vnni) \
-	-DLLAVA_BUILD=OFF
-.peers/llamacpp/.installed:
-	rm -rf .peers/llamacpp && python3 -m venv .peers/llamacpp
-	CMAKE_ARGS="$(LLAMACPP_CMAKE)" .peers/llamacpp/bin/pip install -q --no-cache-dir 'llama-cpp-python[server]'  # no cached wheel of other flags
+	-DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF
+.peers/llamacpp/.installed: | $(VENV)/bin/python
+	rm -rf .peers/llamacpp && mkdir -p .peers/llamacpp
+	$(VENV)/bin/python -m pip download -q --no-binary :all: --no-deps -d .peers/llamacpp llama-cpp-python==$(LLAMACPP_VERSION)
+	tar xzf .peers/llamacpp/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C .peers/llamacpp
+	cmake -S $(LLAMACPP_SRC) -B .peers/llamacpp/build $(LLAMACPP_CMAKE)
+	cmake --build .peers/llamacpp/build --target llama-server --parallel $(shell nproc)
 	touch $@
 
 peers: .peers/vllm/bin/python

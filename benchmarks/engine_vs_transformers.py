@@ -1,4 +1,5 @@
 """Native engine vs transformers, vLLM and DeepSpeed-Inference on one burst, same CPU, one run.
+(llama.cpp, like every engine, through its HTTP server: ``served_burst.py --llamacpp``.)
 
 Workload (issue #2): N requests, input lengths uniform in [32, 512], output lengths uniform in [16, 256],
 ignore_eos, seeded, all sent at t=0. Peers:
@@ -6,16 +7,14 @@ ignore_eos, seeded, all sent at t=0. Peers:
   (b) transformers, one request at a time (timed on a subset and scaled; the output says so);
   (c) vLLM's OpenAI server: ``--vllm`` starts the CPU build from .peers/vllm (``make peers``) for each
       dtype, or ``--vllm-url`` points at a server already serving the same model;
-  (d) DeepSpeed-Inference (``init_inference``, no kernel injection), when deepspeed is installed;
-  (e) ``--llamacpp``: llama-cpp-python's server on the same GGUF (its Q4_1 weights as they are; it runs
-      one request at a time), on the first 32 requests at concurrency 32 (text prompts: it takes no ids).
+  (d) DeepSpeed-Inference (``init_inference``, no kernel injection), when deepspeed is installed.
 Throughput is useful output tokens (each request's own length) per wall-clock second, prefill included.
 The engine and vLLM run ``--repeats`` interleaved rounds (each round's prompts differ in their first
 token, so no prefix cache carries over) and the best round counts: this shared machine is noisy.
 Also printed: the engine's model FLOP/s (2 × parameters × tokens processed / s) against this machine's
 matmul peak measured in the same run.
 
-    python benchmarks/engine_vs_transformers.py --dtype float32 --dtype bfloat16 --vllm --repeats 2 --llamacpp
+    python benchmarks/engine_vs_transformers.py --dtype float32 --dtype bfloat16 --vllm --repeats 2
 """
 
 from __future__ import annotations
@@ -133,55 +132,25 @@ def run_deepspeed(w: Workload, dtype: torch.dtype, pad_id: int) -> float | None:
     return run_hf_static(model.module, w, pad_id)
 
 
-def run_openai_server(url: str, model: str, w: Workload, warm_up: bool = False, concurrency: int | None = None,
-                      text_prompts: list[str] | None = None, no_eos: dict | None = None) -> float:
-    """Burst the workload at an OpenAI-compatible server (token-id prompts unless ``text_prompts``), at most
-    ``concurrency`` requests in flight; each request must return exactly its output length, for which the
-    body fields ``no_eos`` hold end-of-sequence tokens back (default: vLLM's ``ignore_eos``)."""
+def run_openai_server(url: str, model: str, w: Workload, warm_up: bool = False) -> float:
+    """Burst the workload's token-id prompts at an OpenAI-compatible server; each request must return exactly
+    its output length (vLLM's ``ignore_eos``)."""
     import httpx
 
-    prompts = text_prompts or w.prompts
-
     async def burst() -> float:
-        gate = asyncio.Semaphore(concurrency or len(prompts))
         async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
             async def one(p, o):
-                async with gate:
-                    r = await client.post(f"{url}/completions", json={"model": model, "prompt": p, "max_tokens": o,
-                                                                      "temperature": 0,
-                                                                      **(no_eos or {"ignore_eos": True})})
+                r = await client.post(f"{url}/completions", json={"model": model, "prompt": p, "max_tokens": o,
+                                                                  "temperature": 0, "ignore_eos": True})
                 r.raise_for_status()
-                # Ran to max_tokens. (Not usage: llama-cpp-python counts one token too many when the text
-                # ends inside a multi-byte character.)
                 assert r.json()["choices"][0]["finish_reason"] == "length", r.json()
             if warm_up:  # the first requests JIT kernels
                 await asyncio.gather(*(one(list(range(100 + i, 132 + i)), 4) for i in range(8)))
             start = time.perf_counter()
-            await asyncio.gather(*(one(p, o) for p, o in zip(prompts, w.outputs)))
+            await asyncio.gather(*(one(p, o) for p, o in zip(w.prompts, w.outputs)))
             return time.perf_counter() - start
 
     return asyncio.run(burst())
-
-
-def run_llamacpp(w: Workload, tokenizer, requests: int, concurrency: int) -> tuple[float, Workload]:
-    """The first ``requests`` of the workload at llama-cpp-python's server (``make peers-llamacpp``) on the
-    embedded GGUF, ``concurrency`` at a time. It takes text prompts only: the token ids are decoded."""
-    from peers import PEERS, free_port, start_llamacpp
-
-    sub = Workload(w.prompts[:requests], w.outputs[:requests])
-    port = free_port()
-    proc = start_llamacpp(port, log=PEERS / "llamacpp.log")
-    try:
-        texts = [tokenizer.hf.decode(p) for p in sub.prompts]
-        # llama-cpp-python has no ignore_eos, and its min_tokens holds back only one of SmolLM2's two
-        # end-of-generation tokens: bias every special token away instead.
-        ban = {str(t): -100.0 for t in tokenizer.hf.all_special_ids}
-        seconds = run_openai_server(f"http://127.0.0.1:{port}/v1", "smollm2", sub, concurrency=concurrency,
-                                    text_prompts=texts, no_eos={"logit_bias": ban})
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return seconds, sub
 
 
 @contextlib.contextmanager
@@ -218,10 +187,6 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="start vLLM from .peers/vllm for each dtype (make peers)")
     ap.add_argument("--vllm-url", help="base URL (…/v1) of a vLLM server already serving the same model")
     ap.add_argument("--vllm-model", default="smollm2")
-    ap.add_argument("--llamacpp", action="store_true",
-                    help="also serve the GGUF with llama-cpp-python (make peers-llamacpp); one run for every dtype")
-    ap.add_argument("--llamacpp-requests", type=int, default=32, help="requests of the workload sent to llama.cpp")
-    ap.add_argument("--llamacpp-concurrency", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("results/engine_vs_transformers.json"))
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -279,17 +244,6 @@ def main() -> None:
                 print(f"[{dtype_name}] DeepSpeed-Inference static batch: {ds_tps:8.1f} tok/s; native / DS = "
                       f"{native_tps / ds_tps:.2f}x")
         results[dtype_name] = row
-    if args.llamacpp:
-        t_llama, sub = run_llamacpp(w, tokenizer, args.llamacpp_requests, args.llamacpp_concurrency)
-        llama_tps = sub.useful_output_tokens / t_llama
-        results["llamacpp"] = {"tok_s": llama_tps, "seconds": t_llama, "requests": len(sub.prompts),
-                               "concurrency": args.llamacpp_concurrency}
-        print(f"\nllama.cpp (llama-cpp-python server, the GGUF's own Q4_1 weights, {len(sub.prompts)} requests at "
-              f"concurrency {args.llamacpp_concurrency}): {llama_tps:8.1f} output tok/s ({t_llama:.1f} s)")
-        for dtype_name in args.dtype or ["float32"]:
-            ratio = results[dtype_name]["native_tok_s"] / llama_tps
-            results[dtype_name]["ratio_vs_llamacpp"] = ratio
-            print(f"[{dtype_name}] native / llama.cpp = {ratio:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"\nwritten {args.out}")

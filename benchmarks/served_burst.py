@@ -6,14 +6,16 @@ Workloads (``--workload``, repeatable):
          (it prefills ~300 prompt tokens/s: 200 x 512 took 6 min per server): 100 prompts x 512 tokens, 64 out.
 Targets: ``burstgate serve`` with a native deployment in each ``--dtype`` (plus ``--native NAME:FIELD=VALUE,...``
 variants, e.g. scheduler settings), and optionally vLLM's CPU build in the same dtypes (``--vllm``, make peers),
-DeepSpeed-Inference behind burstgate's deepspeed deployment (``--deepspeed``; static batches of 32) and
-llama.cpp's server on the same GGUF (``--llamacpp``; its Q4_1 weights, one request at a time).
+DeepSpeed-Inference in the same dtypes behind burstgate's deepspeed deployment (``--deepspeed``; static batches
+of 32) and llama.cpp's server on the same GGUF (``--llamacpp``: llama-server, its Q4_1 weights, 16 parallel
+slots).
 
 One client drives them all: burstgate's load tester (all requests at t=0, exact input lengths through each
 server's /tokenize, ignore_eos, fixed output lengths), the same request set for every target within a round,
 fresh prompts each round (the round is the seed: no prefix cache carries over), rounds interleaved with the
 targets' order alternating, 4 warm-up requests per target and round before the burst. Each metric is the
-median over rounds; ratios are against ``--baseline`` (default: vLLM in the same dtype when measured).
+median over rounds; ratios are against ``--baseline`` (default: vLLM in the same dtype when measured, else native
+in the same dtype, else the first target).
 
     python benchmarks/served_burst.py --workload mixed --workload paper --vllm --rounds 2 \\
         --save benchmarks/results/served_burst.json
@@ -69,10 +71,10 @@ def main() -> None:
     ap.add_argument("--native", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                     help="another native target with these deployment fields (e.g. chunk512:max_num_batched_tokens=512)")
     ap.add_argument("--vllm", action="store_true", help="also vLLM's CPU build in each dtype (make peers)")
-    ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed-Inference behind burstgate (fp32)")
+    ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed-Inference behind burstgate in each dtype")
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's server (make peers-llamacpp)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--baseline", help="target the ratios divide by (default: vllm-<dtype>, else the first)")
+    ap.add_argument("--baseline", help="target the ratios divide by (default: vllm-<dtype>, else native-<dtype>, else the first)")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     workloads = args.workload or ["mixed"]
@@ -88,8 +90,8 @@ def main() -> None:
                 port = free_port()
                 stack.callback(start_vllm(port, MODEL, dtype=dtype).terminate)
                 targets[f"vllm-{dtype}"] = f"http://127.0.0.1:{port}"
-        if args.deepspeed:
-            targets["deepspeed-float32"] = serve_deployment(stack, {"kind": "deepspeed", "dtype": "float32"})
+            if args.deepspeed:
+                targets[f"deepspeed-{dtype}"] = serve_deployment(stack, {"kind": "deepspeed", "dtype": dtype})
         if args.llamacpp:
             port = free_port()
             stack.callback(start_llamacpp(port, MODEL).terminate)
@@ -128,8 +130,8 @@ def summarize(rows: list[dict], workloads: list[str], targets: list[str], baseli
             medians[name] = {m: statistics.median(r[m] for r in mine) for m in METRICS}
             medians[name]["failed"] = sum(r["failed"] for r in mine)
         for name, values in medians.items():
-            base = baseline or f"vllm-{name.rsplit('-', 1)[-1]}"
-            base = base if base in medians else targets[0]
+            dtype = name.rsplit("-", 1)[-1]
+            base = baseline or next((b for b in (f"vllm-{dtype}", f"native-{dtype}") if b in medians), targets[0])
             values["baseline"] = base
             values["throughput_ratio"] = values["output_throughput"] / medians[base]["output_throughput"]
             values["p99_tpot_ratio"] = values["p99_tpot_ms"] / medians[base]["p99_tpot_ms"]

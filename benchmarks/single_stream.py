@@ -2,7 +2,7 @@
 
 Targets: burstgate serve on the embedded SmolLM2 (its default dtype, and with ``quantization: int8``; with
 ``--one-thread`` both again with ``num_threads: 1``, leaving a core to the server's event loop),
-optionally llama.cpp's server on the same GGUF file (``--llamacpp``: its own Q4_1 weights as stored) and
+optionally llama.cpp's server on the same GGUF file (``--llamacpp``: llama-server, its own Q4_1 weights as stored) and
 vLLM's CPU build (``--vllm``, fp32). One client drives them all: burstgate's load tester, one request at
 a time (``--concurrency 1``), the same prompts for every target within a round, fresh prompts each round
 (the round is the seed), rounds interleaved with the targets' order alternating, one warm-up request each.
