@@ -79,6 +79,7 @@ LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA
 	rm -rf .peers/llamacpp && mkdir -p .peers/llamacpp
 	$(VENV)/bin/python -m pip download -q --no-binary :all: --no-deps -d .peers/llamacpp llama-cpp-python==$(LLAMACPP_VERSION)
 	tar xzf .peers/llamacpp/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C .peers/llamacpp
+	rm .peers/llamacpp/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz  # 76 MB, extracted
 	cmake -S $(LLAMACPP_SRC) -B .peers/llamacpp/build $(LLAMACPP_CMAKE)
 	cmake --build .peers/llamacpp/build --target llama-server --parallel $(shell nproc)
 	touch $@

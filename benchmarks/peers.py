@@ -106,7 +106,7 @@ def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = No
     each with a KV cache of its own of ``slot_tokens``, all cores for decode and prompt batches. On the 64-request
     mixed burst here, 16 slots made 92 output tok/s, 4 slots 83, 64 slots 78, and 128 slots sharing one cache
     (``--kv-unified``, whose attention spans every slot's cells) 50."""
-    if not (PEERS / "llamacpp" / ".installed").exists():
+    if not LLAMA_SERVER.exists():
         raise FileNotFoundError("no llama-server: run `make peers-llamacpp` (compiles for ~5 min)")
     from backends.native.weights import default_model_path
 
