@@ -10,7 +10,8 @@ Decoding a few sequences reads every weight once per step, so its speed is the m
 (``quantization: int8``) read a quarter of fp32's bytes. Activations stay in the model's dtype. Up to
 ``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
 gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row here, benchmarks/int8_matmul.py);
-more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call. A
+more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call, except
+for bf16 activations on AMX tiles, where the tile kernel's blocked path widens the int8 tiles chunk by chunk. A
 GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.py).
 
 On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``, csrc/tile_linear.c). Steps of
@@ -203,8 +204,11 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _reads_tiles(self, x: torch.Tensor) -> bool:
+        """Whether this bf16 step multiplies the tile copy: a small step, or any step where the tiles serve every
+        size (the only copy, or int8 tiles whose outputs are a multiple of 32: the blocked path widens them)."""
         return (self.tiles is not None and x.dtype == torch.bfloat16
-                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]))
+                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]
+                     or (self.is_int8 and self.tiles.shape[0] % 2 == 0)))
 
     def _blocked(self, x: torch.Tensor) -> bool:
         """Whether the tile kernel's blocked path, whose rounding pass can also do SwiGLU or the residual add,

@@ -19,6 +19,10 @@
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
  * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul: no [m, 2I] intermediate), or
  * the residual add after a layer's last projection (tile_linear_add).
+ * int8 weights take the blocked path too: each chunk is widened to bf16 once, by all threads, into one of two
+ * shared buffers (the other holds the chunk being multiplied), and the rounding pass scales the columns; the
+ * widening (~2 ms of a 2048-token SmolLM2 step) is what int8 adds over bf16, where dequantising the whole weight
+ * for oneDNN's matmul made int8 prefills slower than bf16's.
  * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
  * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
  * Built and loaded by cpu_kernels.py.
@@ -128,13 +132,16 @@ struct pending {
     int rows;        /* rows of the block that exist (the last may have fewer than 32) */
     enum rounding rounding;
     int done;        /* units rounded so far */
+    int scaled;      /* int8 weights: the columns' scales multiply the sums first */
+    __m512 scale_lo, scale_hi; /* the scales of the block's first and last 16 columns */
 };
 
 /* Round units [done, upto) of the pending block into out. */
 static inline void drain(struct pending *p, int upto) {
     for (int u = p->done; u < upto && u < p->rows; u++) {
         const int t = 2 * (u >> 4), row = u & 15;
-        const __m512 lo = _mm512_load_ps(p->acc[t][row]), hi = _mm512_load_ps(p->acc[t + 1][row]);
+        __m512 lo = _mm512_load_ps(p->acc[t][row]), hi = _mm512_load_ps(p->acc[t + 1][row]);
+        if (p->scaled) lo = _mm512_mul_ps(lo, p->scale_lo), hi = _mm512_mul_ps(hi, p->scale_hi);
         uint16_t *out = p->out + u * p->n;
         if (p->rounding == SILU_MUL) {
             _mm256_storeu_si256((__m256i *)out, silu_mul_bf16x16(round_bf16(lo), round_bf16(hi)));
@@ -179,21 +186,26 @@ static inline void multiply_block(const uint16_t *a0, const uint16_t *a1, const 
     __asm__ volatile("" ::: "memory");
 }
 
-/* out = x w^T for m rows (any), bf16 w in tile_layout, in blocks of 32 rows x 32 outputs (ADD_TO_OUT: out +=);
- * with SILU_MUL, w is [2 half, k] and out [m, half] = silu(gate) * up, blocks of 32 rows x 16 outputs (16 of the
- * gate's columns and the up's same 16). Other outputs: n a multiple of 32; SILU_MUL: half a multiple of 16. -2
- * without memory. */
-static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t m, int64_t n, int64_t k,
-                          enum rounding rounding) {
+/* out = x w^T for m rows (any), bf16 w in tile_layout (or int8 with `scales`, as tile_linear takes them), in
+ * blocks of 32 rows x 32 outputs (ADD_TO_OUT: out +=); with SILU_MUL, w is [2 half, k] and out [m, half] =
+ * silu(gate) * up, blocks of 32 rows x 16 outputs (16 of the gate's columns and the up's same 16). Other outputs:
+ * n a multiple of 32; SILU_MUL: half a multiple of 16. -2 without memory. */
+static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, const void *scales, int scales_bf16,
+                          uint16_t *out, int64_t m, int64_t n, int64_t k, enum rounding rounding) {
     const int silu_mul = rounding == SILU_MUL;
     const int64_t k_tiles = k / 32, blocks = n / 32, row_blocks = (m + 31) / 32; /* 32 columns of w per block */
     const int64_t out_n = silu_mul ? n / 2 : n, out_cols = silu_mul ? 16 : 32;
     int64_t chunk = CHUNK_BYTES / (64 * k); /* column blocks per chunk: two B tiles of k / 32 KB each */
     if (chunk < 1) chunk = 1;
-    uint16_t *tail = NULL; /* the last rows, if fewer than 32, padded with zero rows */
+    uint16_t *tail = NULL, *widened = NULL; /* the last rows, if fewer than 32, padded with zero rows */
+    const int64_t chunk_elems = chunk * 2 * k_tiles * 512; /* a widened chunk: its blocks' two tile columns */
     if (m % 32) {
         if (!(tail = calloc(32 * k, 2))) return -2;
         memcpy(tail, x + (m - m % 32) * k, (m % 32) * k * 2);
+    }
+    if (w_int8 && !(widened = aligned_alloc(64, 2 * chunk_elems * 2))) {
+        free(tail);
+        return -2;
     }
     #pragma omp parallel
     {
@@ -201,6 +213,18 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
         struct pending p = {.rows = 0, .done = UNITS}; /* nothing pending */
         for (int64_t c0 = 0; c0 < blocks; c0 += chunk) {
             const int64_t c1 = c0 + chunk < blocks ? c0 + chunk : blocks;
+            /* int8: the chunk's tiles widened into the buffer its parity picks; the barrier after this loop also
+             * means every thread is done with the chunk before last, whose buffer the next chunk takes */
+            uint16_t *chunk_w = w_int8 ? widened + (c0 / chunk % 2) * chunk_elems : NULL;
+            if (w_int8) {
+                #pragma omp for collapse(2) schedule(static)
+                for (int64_t i = 0; i < 2 * (c1 - c0); i++) { /* block c0 + i / 2's tile column i % 2 */
+                    for (int64_t kk = 0; kk < k_tiles; kk++) {
+                        const int64_t cb = c0 + i / 2, tc = silu_mul ? cb + (i % 2) * (n / 32) : 2 * cb + i % 2;
+                        widen_tile((const int8_t *)w_tiles + (tc * k_tiles + kk) * 512, chunk_w + (i * k_tiles + kk) * 512);
+                    }
+                }
+            }
             #pragma omp for collapse(2) schedule(static) nowait
             for (int64_t rb = 0; rb < row_blocks; rb++) {
                 for (int64_t cb = c0; cb < c1; cb++) {
@@ -210,8 +234,12 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
                      * column blocks pass, a share of them per block (SmolLM2's layers 2-7% faster) */
                     const int64_t share = (k + (c1 - c0) - 1) / (c1 - c0), first = (cb - c0) * share;
                     const int64_t lines = 32 * rb + 64 <= m && first < k ? (share < k - first ? share : k - first) : 0;
-                    multiply_block(a, a + 16 * k, w + t0 * k_tiles * 512, w + t1 * k_tiles * 512, k, &p,
-                                   lines ? (const char *)(x + 32 * (rb + 1) * k) + first * 64 : NULL, lines);
+                    const uint16_t *b0 = w_int8 ? chunk_w + 2 * (cb - c0) * k_tiles * 512
+                                                : (const uint16_t *)w_tiles + t0 * k_tiles * 512;
+                    multiply_block(a, a + 16 * k, b0, w_int8 ? b0 + k_tiles * 512 : (const uint16_t *)w_tiles + t1 * k_tiles * 512,
+                                   k, &p, lines ? (const char *)(x + 32 * (rb + 1) * k) + first * 64 : NULL, lines);
+                    p.scaled = scales != NULL;
+                    if (scales) p.scale_lo = column_scales(scales, t0, scales_bf16), p.scale_hi = column_scales(scales, t1, scales_bf16);
                     p.out = out + 32 * rb * out_n + cb * out_cols;
                     p.n = out_n;
                     p.rows = m - 32 * rb < 32 ? (int)(m - 32 * rb) : 32;
@@ -223,20 +251,21 @@ static int blocked_linear(const uint16_t *x, const uint16_t *w, uint16_t *out, i
         drain(&p, UNITS);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */
     }
-    free(tail);
+    free(tail), free(widened);
     return 0;
 }
 #endif
 
 /* x [m, k] and out [m, n] bf16, row-major; w_tiles: the weight [n, k] as tile_layout lays it out, bf16, or
- * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none). More than STREAM_ROWS rows of
- * bf16 weights without scales, n a multiple of 32, take the blocked path.
+ * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none). More than STREAM_ROWS rows, n a
+ * multiple of 32, take the blocked path (bf16 weights without scales, or int8 with them).
  * Returns 0, 1 where it does not run (no tiles here, n not a multiple of 16 or k of 32), -2 without memory. */
 int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
                 int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || n % 16 || k <= 0 || k % 32) return 1;
-    if (m > STREAM_ROWS && !w_int8 && !scales && n % 32 == 0) return blocked_linear(x, w_tiles, out, m, n, k, PRODUCTS);
+    if (m > STREAM_ROWS && n % 32 == 0 && w_int8 == (scales != NULL))
+        return blocked_linear(x, w_tiles, w_int8, scales, scales_bf16, out, m, n, k, PRODUCTS);
     const int64_t k_tiles = k / 32, rest = m % 16;
     #pragma omp parallel
     {
@@ -301,7 +330,7 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
 int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || half % 16 || k <= 0 || k % 32) return 1;
-    return blocked_linear(x, w_tiles, out, m, 2 * half, k, SILU_MUL);
+    return blocked_linear(x, w_tiles, 0, NULL, 0, out, m, 2 * half, k, SILU_MUL);
 #else
     (void)x, (void)w_tiles, (void)out, (void)m, (void)half, (void)k;
     return 1;
@@ -315,7 +344,7 @@ int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, 
 int tile_linear_add(const uint16_t *x, const void *w_tiles, uint16_t *residual, int64_t m, int64_t n, int64_t k) {
 #if defined(HAVE_AMX_BF16)
     if (!amx_permitted() || m <= STREAM_ROWS || n % 32 || k <= 0 || k % 32) return 1;
-    return blocked_linear(x, w_tiles, residual, m, n, k, ADD_TO_OUT);
+    return blocked_linear(x, w_tiles, 0, NULL, 0, residual, m, n, k, ADD_TO_OUT);
 #else
     (void)x, (void)w_tiles, (void)residual, (void)m, (void)n, (void)k;
     return 1;

@@ -76,17 +76,21 @@ def test_int8_matmul_equals_the_dequantised_product(dtype, rows):
 
 
 @pytest.mark.parametrize("scales_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 24, TILE_ROWS])
-def test_int8_tile_copy_equals_the_dequantised_product(rows, scales_dtype):
-    """With bf16 activations on a CPU with AMX tiles, small steps widen the int8 tiles to bf16 (exactly)."""
+@pytest.mark.parametrize("rows, out_features, in_features", [
+    (1, 96, 576), (5, 96, 576), (16, 96, 576), (24, 96, 576), (TILE_ROWS, 96, 576),
+    # past TILE_ROWS the blocked path widens chunks of tiles: a partial last row block, several chunks (k = 1536:
+    # one block of 32 columns per chunk, so both buffers take turns), 48 outputs (not a multiple of 32: streamed)
+    (TILE_ROWS + 1, 96, 576), (300, 960, 576), (100, 576, 1536), (100, 48, 576)])
+def test_int8_tile_copy_equals_the_dequantised_product(rows, out_features, in_features, scales_dtype):
+    """With bf16 activations on a CPU with AMX tiles, steps of every size widen the int8 tiles to bf16 (exactly)."""
     torch.manual_seed(rows)
-    q = Int8Rows.quantize(torch.randn(96, 576))
+    q = Int8Rows.quantize(torch.randn(out_features, in_features))
     if not can_tile(q.values):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
-    x = torch.randn(rows, 576).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
     expected = x.float() @ q.dequantize().T
     got = tile_matmul(x, tile_layout(q.values), q.scales.to(scales_dtype))
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     scale_error = 1e-2 if scales_dtype == torch.bfloat16 else 0  # the scales themselves rounded to bf16
     tol = 1e-2 + scale_error
     torch.testing.assert_close(got.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
