@@ -107,6 +107,12 @@ static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf1
  * 544 columns at k = 576, 192 at 1536 (of those tried, 512-1024 and 256 were best). */
 #define CHUNK_BYTES (640 * 1024)
 
+/* The tile column (16 outputs) that side s (0 or 1) of column block cb multiplies: the block's 32 columns, or with
+ * SILU_MUL the gate's 16 and the up's same 16 (n / 32 tile columns further on). */
+static inline int64_t block_tile_column(int64_t cb, int s, int silu_mul, int64_t n) {
+    return silu_mul ? cb + s * (n / 32) : 2 * cb + s;
+}
+
 static void configure_blocks(void) {
     struct tile_config c = {0};
     c.palette = 1;
@@ -197,7 +203,8 @@ static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, co
     const int64_t out_n = silu_mul ? n / 2 : n, out_cols = silu_mul ? 16 : 32;
     int64_t chunk = CHUNK_BYTES / (64 * k); /* column blocks per chunk: two B tiles of k / 32 KB each */
     if (chunk < 1) chunk = 1;
-    uint16_t *tail = NULL, *widened = NULL; /* the last rows, if fewer than 32, padded with zero rows */
+    uint16_t *tail = NULL;     /* the last rows, if fewer than 32, padded with zero rows */
+    uint16_t *widened = NULL;  /* int8: two chunks' tiles widened to bf16 */
     const int64_t chunk_elems = chunk * 2 * k_tiles * 512; /* a widened chunk: its blocks' two tile columns */
     if (m % 32) {
         if (!(tail = calloc(32 * k, 2))) return -2;
@@ -218,9 +225,9 @@ static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, co
             uint16_t *chunk_w = w_int8 ? widened + (c0 / chunk % 2) * chunk_elems : NULL;
             if (w_int8) {
                 #pragma omp for collapse(2) schedule(static)
-                for (int64_t i = 0; i < 2 * (c1 - c0); i++) { /* block c0 + i / 2's tile column i % 2 */
+                for (int64_t i = 0; i < 2 * (c1 - c0); i++) { /* block c0 + i / 2's side i % 2 */
                     for (int64_t kk = 0; kk < k_tiles; kk++) {
-                        const int64_t cb = c0 + i / 2, tc = silu_mul ? cb + (i % 2) * (n / 32) : 2 * cb + i % 2;
+                        const int64_t tc = block_tile_column(c0 + i / 2, i % 2, silu_mul, n);
                         widen_tile((const int8_t *)w_tiles + (tc * k_tiles + kk) * 512, chunk_w + (i * k_tiles + kk) * 512);
                     }
                 }
@@ -229,17 +236,22 @@ static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, co
             for (int64_t rb = 0; rb < row_blocks; rb++) {
                 for (int64_t cb = c0; cb < c1; cb++) {
                     const uint16_t *a = 32 * rb + 32 <= m ? x + 32 * rb * k : tail;
-                    const int64_t t0 = silu_mul ? cb : 2 * cb, t1 = silu_mul ? cb + n / 32 : 2 * cb + 1;
+                    const int64_t t0 = block_tile_column(cb, 0, silu_mul, n), t1 = block_tile_column(cb, 1, silu_mul, n);
                     /* the next row block's rows (32 x k bf16: k cache lines) come into L2 while this one's
                      * column blocks pass, a share of them per block (SmolLM2's layers 2-7% faster) */
                     const int64_t share = (k + (c1 - c0) - 1) / (c1 - c0), first = (cb - c0) * share;
                     const int64_t lines = 32 * rb + 64 <= m && first < k ? (share < k - first ? share : k - first) : 0;
+                    /* the block's two tile columns: in the widened chunk (int8), or in the weight */
                     const uint16_t *b0 = w_int8 ? chunk_w + 2 * (cb - c0) * k_tiles * 512
                                                 : (const uint16_t *)w_tiles + t0 * k_tiles * 512;
-                    multiply_block(a, a + 16 * k, b0, w_int8 ? b0 + k_tiles * 512 : (const uint16_t *)w_tiles + t1 * k_tiles * 512,
-                                   k, &p, lines ? (const char *)(x + 32 * (rb + 1) * k) + first * 64 : NULL, lines);
+                    const uint16_t *b1 = w_int8 ? b0 + k_tiles * 512 : (const uint16_t *)w_tiles + t1 * k_tiles * 512;
+                    multiply_block(a, a + 16 * k, b0, b1, k, &p,
+                                   lines ? (const char *)(x + 32 * (rb + 1) * k) + first * 64 : NULL, lines);
                     p.scaled = scales != NULL;
-                    if (scales) p.scale_lo = column_scales(scales, t0, scales_bf16), p.scale_hi = column_scales(scales, t1, scales_bf16);
+                    if (scales) {
+                        p.scale_lo = column_scales(scales, t0, scales_bf16);
+                        p.scale_hi = column_scales(scales, t1, scales_bf16);
+                    }
                     p.out = out + 32 * rb * out_n + cb * out_cols;
                     p.n = out_n;
                     p.rows = m - 32 * rb < 32 ? (int)(m - 32 * rb) : 32;
