@@ -12,7 +12,7 @@ from a real run of the step: its speed depends on the scores), the layer ops (RM
 residual, rotary + KV store), the LM head on the sampled rows; "rest" is the
 step minus their sum (embedding, tensor building, Python; on a shared machine each part's median carries
 its own noise, so a small negative rest means "nothing measurable"). A step that runs fused (fused_step.py:
-every step of a bf16 model on AMX tiles; up to 64 rows on int8 tiles, 128 on fp32 strips) has its parts timed
+every step of a bf16 model on AMX tiles, int8 weights included; up to 128 rows on fp32 strips) has its parts timed
 layer by layer from Python all the same, so the parts' sum counts the Python that the fused step saves, and
 its rest can be negative. Model FLOP/s counts 2 x parameters x tokens
 (the LM head on its rows only) plus attention's 4 x heads x head_dim x keys per query; MFU divides it by
@@ -84,7 +84,7 @@ def matmul_peak(dtype: torch.dtype, hidden: int, intermediate: int, size: int = 
     inflate MFU."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     calls = {"torch.mm": (lambda: torch.mm(a, b), 2 * size**3)}
-    if layout_serves_all_rows(b):
+    if layout_serves_all_rows(b, dtype):
         square = tile_layout(b.t().contiguous())
         x, w = torch.randn(size, hidden, dtype=dtype), torch.randn(2 * intermediate, hidden, dtype=dtype)
         wide = tile_layout(w)

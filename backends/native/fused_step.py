@@ -7,8 +7,9 @@ lost ~8% of its time the same way. csrc/step_layers.c runs the same kernels in t
 decoder stack, so a step gives bit for bit the eager path's logits and KV cache; the embedding lookup, the final
 norm and the LM head stay here. It runs any mix of decodes and prefill chunks up to the rows the linear layers'
 small-step copies serve (``TILE_ROWS`` for AMX tiles, ``STRIP_ROWS`` for fp32 strips), and steps of any size where
-every linear weight's only copy is its bf16 tile layout (AMX; the blocked path of csrc/tile_linear.c), on one
-rank whose every layer runs on the C kernels; other steps, and every step with ``enforce_eager``, run eagerly.
+every linear weight's only copy is its tile layout (AMX, bf16 or int8; the blocked path of csrc/tile_linear.c),
+on one rank whose every layer runs on the C kernels; other steps, and every step with ``enforce_eager``, run
+eagerly.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class FusedStep:
                 or not isinstance(kernels.attention, CpuAttention)):
             return None
         # the eager path's blocked steps (Linear.with_residual, GateUpLinear.silu_and_mul), which the C path follows
-        any_rows = kind == BF16_TILES and all(m.layout_only for m in linears)
+        any_rows = kind != FP32_STRIPS and all(m.layout_only for m in linears)
         return cls(model, kv_caches, kind, kernels.attention, any_rows)
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
@@ -127,7 +128,7 @@ class FusedStep:
         model, rows = self.model, len(input_ids)
         hidden = model.embed_tokens(input_ids)
         residual = torch.empty_like(hidden)
-        blocked = self.shape.weight_kind == BF16_TILES and rows > TILE_ROWS  # step_layers.c's blocked steps
+        blocked = self.max_rows is None and rows > TILE_ROWS  # step_layers.c's blocked steps
         scratch = {name: hidden.new_empty(0 if name == "gate_up" and blocked else rows, size)
                    for name, size in self.sizes.items()}
         cos, sin = (t.contiguous() for t in model.rotary.tables(positions))

@@ -11,15 +11,17 @@ Decoding a few sequences reads every weight once per step, so its speed is the m
 ``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
 gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row here, benchmarks/int8_matmul.py);
 more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call, except
-for bf16 activations on AMX tiles, where the tile kernel's blocked path widens the int8 tiles chunk by chunk. A
-GGUF Q8_0 tensor becomes these rows without a float copy of the matrix (weights.py).
+for bf16 activations on AMX tiles, where the int8 weight is laid out as tiles too and the tile kernel's blocked
+path widens them chunk by chunk. A GGUF Q8_0 tensor becomes these rows without a float copy of the matrix
+(weights.py).
 
 On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``, csrc/tile_linear.c). Steps of
 up to ``TILE_ROWS`` rows stream them in order, near the copy bandwidth, where oneDNN's matmul on its packed
 weight is not; larger steps multiply them in cache-sized blocks, faster than oneDNN's matmul on SmolLM2's
-shapes, with SwiGLU's silu(gate) * up in the rounding pass (``tile_silu_mul``). So where a weight's outputs are
-a multiple of 32 the tile layout is its only copy (``layout_only``, ``layout_serves_all_rows``); otherwise, and
-for int8 weights (widened to bf16 tile by tile for bf16 activations), it is a second copy for small steps.
+shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (``tile_add``) in the rounding
+pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_only``,
+``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
+otherwise it is a second copy for small steps.
 fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
 strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
 memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
@@ -60,12 +62,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-def layout_serves_all_rows(weight: torch.Tensor) -> bool:
-    """Whether the tile layout of ``weight`` serves steps of every size, faster than oneDNN's matmul, so it can
-    be the weight's only copy (csrc/tile_linear.c's blocked path, for more than ``TILE_ROWS`` rows, takes bf16
-    weights whose outputs are a multiple of 32). fp32 strips do not: past ``STRIP_ROWS`` rows they only drew
-    level with oneDNN over a step's weights not in cache (414-424 GFLOP/s against 418, rows or strips chunked)."""
-    return weight.dtype == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
+def layout_serves_all_rows(weight: torch.Tensor, activations: torch.dtype) -> bool:
+    """Whether the tile layout of ``weight`` serves steps of every size for ``activations`` of this dtype, faster
+    than oneDNN's matmul, so it can be the weight's only copy (csrc/tile_linear.c's blocked path, for more than
+    ``TILE_ROWS`` rows, takes bf16 activations and bf16 or int8 weights whose outputs are a multiple of 32; int8
+    ones, dequantised for oneDNN's bf16 matmul instead, made prefills slower than bf16's). fp32 strips do not:
+    past ``STRIP_ROWS`` rows they only drew level with oneDNN over a step's weights not in cache (414-424
+    GFLOP/s against 418, rows or strips chunked)."""
+    return activations == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
 
 
 def can_tile(weight: torch.Tensor) -> bool:
@@ -85,26 +89,36 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16), rounded
-    as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
+def _weight_args(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int | None]:
+    """The C kernels' weight arguments around ``out``: (tiles, scales or NULL)."""
+    return tiles.data_ptr(), None if scales is None else scales.data_ptr()
+
+
+def _scale_flags(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[bool, bool]:
+    """The C kernels' last two arguments: (int8 tiles, scales stored as bf16)."""
+    return tiles.dtype == torch.int8, scales is not None and scales.dtype == torch.bfloat16
+
+
+def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16, or int8
+    with ``scales``), rounded as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
     k, half = x.shape[-1], tiles.shape[0] * 16 // 2  # tiles of 16 outputs: the gate's, then the up's
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], half)
-    if cpu_kernels.library().tile_linear_silu_mul(x.data_ptr(), tiles.data_ptr(), out.data_ptr(), x.numel() // k,
-                                                  half, k):
+    if cpu_kernels.library().tile_linear_silu_mul(x.data_ptr(), *_weight_args(tiles, scales), out.data_ptr(),
+                                                  x.numel() // k, half, k, *_scale_flags(tiles, scales)):
         raise RuntimeError(f"tile_linear_silu_mul refused a [{2 * half}, {k}] weight")
     return out
 
 
-def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor) -> None:
+def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """``residual += x @ weight.T`` in place, for bf16 x [rows, k] of more than ``TILE_ROWS`` rows and a contiguous
-    residual [rows, n], from the weight's ``tile_layout`` (bf16), rounded as torch adds a bf16 layer's output to
-    the residual stream (the product rounded first, then the sum)."""
+    residual [rows, n], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``), rounded as torch adds a
+    bf16 layer's output to the residual stream (the product rounded first, then the sum)."""
     k, n = x.shape[-1], tiles.shape[0] * 16
     x = x.contiguous()
-    if cpu_kernels.library().tile_linear_add(x.data_ptr(), tiles.data_ptr(), residual.data_ptr(), x.numel() // k,
-                                             n, k):
+    if cpu_kernels.library().tile_linear_add(x.data_ptr(), *_weight_args(tiles, scales), residual.data_ptr(),
+                                             x.numel() // k, n, k, *_scale_flags(tiles, scales)):
         raise RuntimeError(f"tile_linear_add refused a [{n}, {k}] weight at {x.numel() // k} rows")
 
 
@@ -113,9 +127,8 @@ def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | Non
     k, n = x.shape[-1], tiles.shape[0] * 16
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], n)
-    if cpu_kernels.library().tile_linear(x.data_ptr(), tiles.data_ptr(), None if scales is None else scales.data_ptr(),
-                                         out.data_ptr(), x.numel() // k, n, k, tiles.dtype == torch.int8,
-                                         scales is not None and scales.dtype == torch.bfloat16):
+    if cpu_kernels.library().tile_linear(x.data_ptr(), *_weight_args(tiles, scales), out.data_ptr(), x.numel() // k,
+                                         n, k, *_scale_flags(tiles, scales)):
         raise RuntimeError(f"tile_linear refused a [{n}, {k}] weight")
     return out
 
@@ -198,26 +211,30 @@ class Linear(nn.Linear):
 
     def use_layout_only(self, keep_weight: bool = False) -> None:
         """Serve every step from the weight's tile layout (``layout_serves_all_rows`` must hold): no packed copy;
-        the float weight is dropped unless ``keep_weight``."""
+        the weight (float, or int8 beside its ``scales``) is dropped unless ``keep_weight``."""
         self.tiles, self.layout_only = tile_layout(self.weight), True
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def _reads_tiles(self, x: torch.Tensor) -> bool:
-        """Whether this bf16 step multiplies the tile copy: a small step, or any step where the tiles serve every
-        size (the only copy, or int8 tiles whose outputs are a multiple of 32: the blocked path widens them)."""
+        """Whether this bf16 step multiplies the tile copy: a small step, or any step where the tiles are the only
+        copy."""
         return (self.tiles is not None and x.dtype == torch.bfloat16
-                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]
-                     or (self.is_int8 and self.tiles.shape[0] % 2 == 0)))
+                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]))
 
     def _blocked(self, x: torch.Tensor) -> bool:
         """Whether the tile kernel's blocked path, whose rounding pass can also do SwiGLU or the residual add,
-        multiplies this step: a tile-only bf16 layer, more than ``TILE_ROWS`` rows."""
+        multiplies this step: a tile-only layer, bf16 activations, more than ``TILE_ROWS`` rows."""
         return self.layout_only and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]
+
+    @property
+    def _tile_scales(self) -> torch.Tensor | None:
+        """The scales that go with the tiles: int8's per-channel scales, None for bf16."""
+        return self.scales if self.is_int8 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._reads_tiles(x):
-            y = tile_matmul(x, self.tiles, self.scales if self.is_int8 else None)
+            y = tile_matmul(x, self.tiles, self._tile_scales)
             return y if self.bias is None else y + self.bias
         if self.strips is not None and x.dtype == torch.float32 and x.numel() <= STRIP_ROWS * x.shape[-1]:
             y = strip_matmul(x, self.strips)
@@ -232,11 +249,11 @@ class Linear(nn.Linear):
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output and the residual stream it joins, as the next ``RMSNorm`` takes them: ``(x @ W.T,
-        residual)``, for the norm to add; or, where the tile kernel serves the step (bf16 tile layout only, more
-        than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
+        residual)``, for the norm to add; or, where the tile kernel serves the step (tile layout only, bf16
+        activations, more than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
         rounds it: ``(residual, None)``. SmolLM2's 2048-row step: the 60 norms no longer add, ~4 ms less."""
         if self._blocked(x) and self.bias is None and residual.is_contiguous():
-            tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]))
+            tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]), self._tile_scales)
             return residual, None
         return self(x), residual
 
@@ -268,7 +285,7 @@ class GateUpLinear(Linear):
     def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
         if self._blocked(x):
-            return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles).reshape(*x.shape[:-1], -1)
+            return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles, self._tile_scales).reshape(*x.shape[:-1], -1)
         if self.halves is not None and not self._reads_tiles(x):
             gate, up = self.halves
             return _linear(x, gate, activation="swish", times=up)

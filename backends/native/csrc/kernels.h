@@ -5,7 +5,7 @@
 #include <stdint.h>
 
 /* Up to this many rows tile_linear streams the weight (4 A tiles per B tile); more take its blocked path, where
- * bf16 tiles' rounding pass can add into the residual stream or do SwiGLU (step_layers.c). TILE_ROWS in
+ * the rounding pass can add into the residual stream or do SwiGLU (step_layers.c). TILE_ROWS in
  * linear.py, up to which weights that are not a tile layout's only copy read the tiles at all, is the same. */
 #define STREAM_ROWS 64
 
@@ -17,8 +17,10 @@ int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *si
                     int64_t head_dim, int64_t cache_slots, int is_bf16);
 int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
                 int64_t k, int w_int8, int scales_bf16);
-int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k);
-int tile_linear_add(const uint16_t *x, const void *w_tiles, uint16_t *residual, int64_t m, int64_t n, int64_t k);
+int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m,
+                         int64_t half, int64_t k, int w_int8, int scales_bf16);
+int tile_linear_add(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *residual, int64_t m,
+                    int64_t n, int64_t k, int w_int8, int scales_bf16);
 int strip_linear(const float *x, const float *w_strips, float *out, int64_t m, int64_t n, int64_t k);
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, void *out,

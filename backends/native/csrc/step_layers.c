@@ -7,9 +7,9 @@
  * are bit for bit the eager path's), called from C: per layer RMSNorm (+ residual), the fused q/k/v projection,
  * rotary embedding and the KV-cache write, attention (decodes, then prefill chunks), the output projection,
  * RMSNorm (+ residual), gate/up and SiLU-and-mul, down. Linear layers read their small-step copies, AMX tiles
- * (bf16 or int8 weights, bf16 activations) or AVX-512 strips (fp32); bf16 tile layouts that are a weight's only
- * copy also serve larger steps on the tile kernel's blocked path, which adds the output and down projections
- * into the residual stream and computes SwiGLU in its rounding pass (as Linear.with_residual and
+ * (bf16 or int8 weights, bf16 activations) or AVX-512 strips (fp32); tile layouts that are a weight's only copy
+ * (bf16 or int8) also serve larger steps on the tile kernel's blocked path, which adds the output and down
+ * projections into the residual stream and computes SwiGLU in its rounding pass (as Linear.with_residual and
  * GateUpLinear.silu_and_mul do). The embedding lookup, the final norm and the LM head stay in Python
  * (fused_step.py), once per step. Built by cpu_kernels.py.
  */
@@ -101,7 +101,7 @@ int step_layers(const struct layer_weights *layers, int64_t num_layers, const st
                 const struct step_buffers *b, const struct step_tokens *t) {
     const int64_t q_size = s->num_heads * s->head_dim, kv_size = s->num_kv_heads * s->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, hidden_bytes = s->rows * s->hidden * (s->is_bf16 ? 2 : 4);
-    const int blocked = s->weight_kind == BF16_TILES && s->rows > STREAM_ROWS;
+    const int blocked = s->weight_kind != FP32_STRIPS && s->rows > STREAM_ROWS, int8 = s->weight_kind == INT8_TILES;
     memcpy(b->residual, b->hidden, hidden_bytes); /* the residual stream starts as the embeddings */
     for (int64_t l = 0; l < num_layers; l++) {
         const struct layer_weights *w = &layers[l];
@@ -115,10 +115,13 @@ int step_layers(const struct layer_weights *layers, int64_t num_layers, const st
                             s->num_heads, s->num_kv_heads, s->head_dim, s->num_blocks * s->block_size, s->is_bf16));
         RUN(attention(s, t, w, b->qkv, qkv_size, b->attn));
         if (blocked) {
-            RUN(tile_linear_add(b->attn, w->o, b->residual, s->rows, s->hidden, q_size));
+            RUN(tile_linear_add(b->attn, w->o, w->o_scales, b->residual, s->rows, s->hidden, q_size, int8,
+                                s->scales_bf16));
             RUN(add_rms_norm(b->residual, NULL, w->post_norm, b->hidden, s->rows, s->hidden, s->eps, s->is_bf16));
-            RUN(tile_linear_silu_mul(b->hidden, w->gate_up, b->act, s->rows, s->intermediate, s->hidden));
-            RUN(tile_linear_add(b->act, w->down, b->residual, s->rows, s->hidden, s->intermediate));
+            RUN(tile_linear_silu_mul(b->hidden, w->gate_up, w->gate_up_scales, b->act, s->rows, s->intermediate,
+                                     s->hidden, int8, s->scales_bf16));
+            RUN(tile_linear_add(b->act, w->down, w->down_scales, b->residual, s->rows, s->hidden, s->intermediate,
+                                int8, s->scales_bf16));
         } else {
             RUN(linear(s, b->attn, w->o, w->o_scales, NULL, b->hidden, s->hidden, q_size));
             RUN(add_rms_norm(b->hidden, b->residual, w->post_norm, b->hidden, s->rows, s->hidden, s->eps,

@@ -19,10 +19,10 @@
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
  * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul: no [m, 2I] intermediate), or
  * the residual add after a layer's last projection (tile_linear_add).
- * int8 weights take the blocked path too: each chunk is widened to bf16 once, by all threads, into one of two
- * shared buffers (the other holds the chunk being multiplied), and the rounding pass scales the columns; the
- * widening (~2 ms of a 2048-token SmolLM2 step) is what int8 adds over bf16, where dequantising the whole weight
- * for oneDNN's matmul made int8 prefills slower than bf16's.
+ * int8 weights take the blocked path too, every rounding included: each chunk is widened to bf16 once, by all
+ * threads, into one of two shared buffers (the other holds the chunk being multiplied), and the rounding pass
+ * scales the columns first; the widening (~2 ms of a 2048-token SmolLM2 step) is what int8 adds over bf16, where
+ * dequantising the whole weight for oneDNN's matmul made int8 prefills slower than bf16's.
  * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
  * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
  * Built and loaded by cpu_kernels.py.
@@ -335,30 +335,34 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
 #endif
 }
 
-/* out [m, half] = silu(x gate^T) * (x up^T) for x [m, k] and w_tiles the bf16 [gate; up] weight [2 half, k] in
- * tile_layout, rounded as the bf16 reference rounds (vector_math.h): SwiGLU's activation in the matmul's
- * rounding pass. Returns 0, 1 where it does not run (no tiles here, half not a multiple of 16 or k of 32), -2
- * without memory. */
-int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, uint16_t *out, int64_t m, int64_t half, int64_t k) {
+/* out [m, half] = silu(x gate^T) * (x up^T) for x [m, k] and w_tiles the [gate; up] weight [2 half, k] in
+ * tile_layout, bf16, or int8 (w_int8) with scales [2 half] as tile_linear takes them, rounded as the bf16 reference
+ * rounds (vector_math.h): SwiGLU's activation in the matmul's rounding pass. Returns 0, 1 where it does not run
+ * (no tiles here, half not a multiple of 16 or k of 32, scales without int8), -2 without memory. */
+int tile_linear_silu_mul(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m,
+                         int64_t half, int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
-    if (!amx_permitted() || half % 16 || k <= 0 || k % 32) return 1;
-    return blocked_linear(x, w_tiles, 0, NULL, 0, out, m, 2 * half, k, SILU_MUL);
+    if (!amx_permitted() || half % 16 || k <= 0 || k % 32 || w_int8 != (scales != NULL)) return 1;
+    return blocked_linear(x, w_tiles, w_int8, scales, scales_bf16, out, m, 2 * half, k, SILU_MUL);
 #else
-    (void)x, (void)w_tiles, (void)out, (void)m, (void)half, (void)k;
+    (void)x, (void)w_tiles, (void)scales, (void)out, (void)m, (void)half, (void)k, (void)w_int8, (void)scales_bf16;
     return 1;
 #endif
 }
 
-/* residual [m, n] += x w^T for bf16 x [m, k] and the bf16 weight [n, k] in tile_layout, rounded as torch adds a
- * bf16 layer's output to the residual stream (the product rounded to bf16, then the sum): the residual add in
- * the matmul's rounding pass, instead of a pass of its own before the next norm. Steps of more than STREAM_ROWS
- * rows, n a multiple of 32. Returns 0, 1 where it does not run (no tiles here, or the shapes), -2 without memory. */
-int tile_linear_add(const uint16_t *x, const void *w_tiles, uint16_t *residual, int64_t m, int64_t n, int64_t k) {
+/* residual [m, n] += x w^T for bf16 x [m, k] and the weight [n, k] in tile_layout (bf16, or int8 with scales, as
+ * tile_linear takes them), rounded as torch adds a bf16 layer's output to the residual stream (the product rounded
+ * to bf16, then the sum): the residual add in the matmul's rounding pass, instead of a pass of its own before the
+ * next norm. Steps of more than STREAM_ROWS rows, n a multiple of 32. Returns 0, 1 where it does not run (no tiles
+ * here, or the shapes), -2 without memory. */
+int tile_linear_add(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *residual, int64_t m,
+                    int64_t n, int64_t k, int w_int8, int scales_bf16) {
 #if defined(HAVE_AMX_BF16)
-    if (!amx_permitted() || m <= STREAM_ROWS || n % 32 || k <= 0 || k % 32) return 1;
-    return blocked_linear(x, w_tiles, 0, NULL, 0, residual, m, n, k, ADD_TO_OUT);
+    if (!amx_permitted() || m <= STREAM_ROWS || n % 32 || k <= 0 || k % 32 || w_int8 != (scales != NULL)) return 1;
+    return blocked_linear(x, w_tiles, w_int8, scales, scales_bf16, residual, m, n, k, ADD_TO_OUT);
 #else
-    (void)x, (void)w_tiles, (void)residual, (void)m, (void)n, (void)k;
+    (void)x, (void)w_tiles, (void)scales, (void)residual, (void)m, (void)n, (void)k, (void)w_int8,
+        (void)scales_bf16;
     return 1;
 #endif
 }

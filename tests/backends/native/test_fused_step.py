@@ -1,8 +1,8 @@
 """A CPU step runs the whole decoder stack in one C call (fused_step.py) and leaves bit for bit the logits and KV
 cache of the eager path, for every kind of small-step copy this CPU has (AMX tiles of bf16 or int8 weights,
 AVX-512 strips of fp32 ones): decodes, prefill chunks (with and without a cached prefix) and mixes of both, up to
-the rows the copies serve; with bf16 tile layouts as the weights' only copies, steps of any size (the tile
-kernel's blocked path). Larger steps and ``enforce_eager`` run eagerly."""
+the rows the copies serve; with tile layouts as the weights' only copies (bf16 or int8), steps of any size (the
+tile kernel's blocked path). Larger steps and ``enforce_eager`` run eagerly."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from backends.native.linear import STRIP_ROWS, TILE_ROWS
+from backends.native.linear import STRIP_ROWS
 from backends.native.model_runner import ModelRunner
 from backends.native.weights import open_checkpoint
 
@@ -22,10 +22,10 @@ from backends.native.weights import open_checkpoint
 TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 256, "tie_word_embeddings": True}
-# each kind of copy, and the most rows of the steps it runs fused (None: any; the tiny model's bf16 weights have
-# only their tile layouts)
+# each kind of copy, and the most rows of the steps it runs fused (None: any; the tiny model's bf16 and int8
+# weights have only their tile layouts)
 COPIES = {"bf16-tiles": (dict(dtype="bfloat16"), None),
-          "int8-tiles": (dict(dtype="bfloat16", quantization="int8"), TILE_ROWS),
+          "int8-tiles": (dict(dtype="bfloat16", quantization="int8"), None),
           "fp32-strips": (dict(dtype="float32"), STRIP_ROWS)}
 BLOCK_SIZE = 16
 

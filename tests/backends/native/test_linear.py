@@ -16,6 +16,7 @@ from backends.native.linear import (
     STRIP_ROWS,
     TILE_ROWS,
     GateUpLinear,
+    Int8Rows,
     Linear,
     can_pack,
     can_strip,
@@ -28,6 +29,7 @@ from backends.native.linear import (
     tile_silu_mul,
 )
 from backends.native.model import LlamaModel, dummy_tensors
+from backends.native.model_runner import build_model
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="torch built without oneDNN")
 
@@ -124,30 +126,43 @@ def test_tile_layout_multiplies_steps_of_any_size(rows, out_features, in_feature
     torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float()), atol=2e-2, rtol=1e-2)
 
 
+# the weights the tile kernel's rounding passes take: bf16, or int8 with per-channel scales in fp32 or bf16
+WEIGHTS = ["bf16", "int8", "int8-bf16-scales"]
+
+
+def _tile_weight(kind: str, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A random weight of ``kind`` as (its tile layout, its scales or None)."""
+    weight = _tile_layer(out_features, in_features).weight
+    if kind == "bf16":
+        return tile_layout(weight), None
+    q = Int8Rows.quantize(weight)
+    return tile_layout(q.values), q.scales.to(torch.bfloat16 if kind == "int8-bf16-scales" else torch.float32)
+
+
+@pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("half", [48, 96])
 @pytest.mark.parametrize("rows", [1, 5, 33, TILE_ROWS, 100, 300])
-def test_tile_silu_mul_rounds_as_the_bf16_reference(rows, half):
-    """silu(gate) * up in the matmul's rounding pass: the tile product's gate and up rounded to bf16, then torch's
-    bf16 silu and product, bit for bit (half 48: the up's first tile is not 32-column aligned)."""
+def test_tile_silu_mul_rounds_as_the_bf16_reference(rows, half, kind):
+    """silu(gate) * up in the matmul's rounding pass: the tile product's gate and up (int8: scaled) rounded to bf16,
+    then torch's bf16 silu and product, bit for bit (half 48: the up's first tile is not 32-column aligned)."""
     torch.manual_seed(rows)
-    layer = _tile_layer(2 * half, 576)
+    tiles, scales = _tile_weight(kind, 2 * half, 576)
     x = torch.randn(rows, 576, dtype=torch.bfloat16) * 4  # sums large enough for silu's whole range
-    tiles = tile_layout(layer.weight)
-    assert torch.equal(tile_silu_mul(x, tiles), TorchLayerOps.silu_and_mul(tile_matmul(x, tiles)))
+    assert torch.equal(tile_silu_mul(x, tiles, scales), TorchLayerOps.silu_and_mul(tile_matmul(x, tiles, scales)))
 
 
+@pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("rows", [TILE_ROWS + 1, 100, 300])
 @pytest.mark.parametrize("out_features, in_features", [(576, 576), (576, 1536)])
-def test_tile_add_rounds_the_residual_add_as_torch(rows, out_features, in_features):
-    """residual + x @ W.T in the tile kernel's rounding pass: the product rounded to bf16, then torch's bf16 sum,
-    bit for bit, written over the residual."""
+def test_tile_add_rounds_the_residual_add_as_torch(rows, out_features, in_features, kind):
+    """residual + x @ W.T in the tile kernel's rounding pass: the product (int8: scaled) rounded to bf16, then
+    torch's bf16 sum, bit for bit, written over the residual."""
     torch.manual_seed(rows)
-    layer = _tile_layer(out_features, in_features)
+    tiles, scales = _tile_weight(kind, out_features, in_features)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     residual = torch.randn(rows, out_features, dtype=torch.bfloat16) * 8
-    tiles = tile_layout(layer.weight)
-    expected = residual + tile_matmul(x, tiles)
-    tile_add(x, tiles, residual)
+    expected = residual + tile_matmul(x, tiles, scales)
+    tile_add(x, tiles, residual, scales)
     assert torch.equal(residual, expected)
 
 
@@ -156,7 +171,7 @@ def test_a_layer_joins_the_residual_stream_in_its_kernel_only_where_the_tiles_se
     else (x @ W.T, residual) untouched, for the next norm to add; the same sum either way."""
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=False).to(torch.bfloat16)
-    if not layout_serves_all_rows(layer.weight):
+    if not layout_serves_all_rows(layer.weight, torch.bfloat16):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
     layer.use_layout_only()
     for rows, fused in ((TILE_ROWS, False), (TILE_ROWS + 1, True), (200, True)):
@@ -170,7 +185,7 @@ def test_a_layer_joins_the_residual_stream_in_its_kernel_only_where_the_tiles_se
 def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
     torch.manual_seed(0)
     layer = GateUpLinear(64, 2 * 96, bias=False).to(torch.bfloat16)
-    if not layout_serves_all_rows(layer.weight):
+    if not layout_serves_all_rows(layer.weight, torch.bfloat16):
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
     weight = layer.weight.detach().clone()
     layer.use_layout_only()
@@ -181,8 +196,9 @@ def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
         torch.testing.assert_close(layer(x).float(), both, atol=2e-2, rtol=1e-2)
         expected = TorchLayerOps.silu_and_mul(both.bfloat16())
         torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps).float(), expected.float(), atol=2e-2, rtol=2e-2)
-    assert not layout_serves_all_rows(torch.zeros(48, 64, dtype=torch.bfloat16))  # outputs not a multiple of 32
-    assert not layout_serves_all_rows(torch.zeros(64, 64, dtype=torch.int8))  # int8: a copy for small steps only
+    assert not layout_serves_all_rows(torch.zeros(48, 64, dtype=torch.bfloat16), torch.bfloat16)  # 48 outputs
+    assert layout_serves_all_rows(torch.zeros(64, 64, dtype=torch.int8), torch.bfloat16)  # int8, widened
+    assert not layout_serves_all_rows(torch.zeros(64, 64, dtype=torch.int8), torch.float32)  # fp32 activations
 
 
 def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
@@ -291,6 +307,36 @@ def test_a_bf16_model_lays_out_its_weights_as_tiles_and_keeps_copies_where_they_
     # each dropped float weight became a layout of its size; the tied head's tiles sit beside the embedding table
     assert model.weight_bytes() == params + copies + model.lm_head.tiles.numel() * 2
     torch.testing.assert_close(mlp.down_proj(x).float(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_an_int8_bf16_model_keeps_only_the_tile_layout_of_int8_weights_whose_outputs_are_a_multiple_of_32():
+    """The same three kinds of layer in int8 with bf16 activations: gate/up, down and the LM head (its own int8 copy
+    of the tied table) keep only their int8 tiles and scales, and answer large steps from them (the blocked path,
+    SwiGLU in its rounding pass); qkv keeps its int8 rows beside a tile copy for small steps; o_proj its rows."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=3,
+                      num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
+    model = build_model(cfg, 64, torch.bfloat16, torch.device("cpu"), int8=True)
+    model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
+    if not can_tile(model.lm_head.weight):
+        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    mlp = model.layers[0].mlp
+    gate_up = Int8Rows(mlp.gate_up_proj.weight.clone(), mlp.gate_up_proj.scales.float())
+    x = torch.randn(100, 64, dtype=torch.bfloat16)  # more rows than the tiles stream
+    both = x.float() @ gate_up.dequantize().T
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.pack_linear_weights()
+    layers = [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
+    assert all(m.layout_only and m.is_int8 and m.weight.numel() == 0 and m.tiles.dtype == torch.int8 for m in layers)
+    qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
+    assert not qkv.layout_only and qkv.tiles is not None and qkv.weight.numel() > 0
+    assert o.tiles is None and o.weight.numel() > 0 and not o.packed_weights()
+    copies = sum(layer.self_attn.qkv_proj.tiles.numel() for layer in model.layers)
+    assert model.small_step_copy_bytes() == copies
+    assert model.weight_bytes() == params + copies  # each dropped int8 weight became a layout of its size
+    torch.testing.assert_close(mlp.gate_up_proj(x).float(), both, atol=2e-2 * both.abs().max().item(), rtol=2e-2)
+    expected = TorchLayerOps.silu_and_mul(both.bfloat16())
+    got = mlp.gate_up_proj.silu_and_mul(x, CpuLayerOps)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
 
 
 def test_an_fp32_model_keeps_strip_copies_and_counts_them():
