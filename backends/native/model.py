@@ -201,18 +201,19 @@ class LlamaModel(nn.Module):
     def pack_linear_weights(self) -> bool:
         """Lay out every linear weight for the fastest matmul this build has (CPU, fp32/bf16 models): after
         loading and casting, since the new layouts replace the weights. On CPUs with AMX tiles, the bf16 and int8
-        weights of a bf16 model whose tile layout serves steps of every size get only that (linear.py); the float
-        others are packed for oneDNN, and the others get a second copy for small steps where a kernel for it runs
-        here: AMX tiles for bf16 activations (bf16 or int8 weights), AVX-512 strips for fp32; kept when they take
-        at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's, where it has a limit). Returns
-        whether it laid them out (False where this build has no CPU layout for their dtype)."""
+        weights of a bf16 model whose tile layout serves steps of every size get only that (linear.py). The other
+        float weights are packed for oneDNN; the other weights, float or int8, get a second copy for small steps
+        where a kernel for it runs here: AMX tiles for bf16 activations, AVX-512 strips for fp32, kept when they
+        take at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's, where it has a limit).
+        Returns whether it laid them out (False where this build has no CPU layout for their dtype)."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
             return False
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         tied = self.lm_head if self.config.tie_word_embeddings else None
         for module in linears:
-            if layout_serves_all_rows(module.weight, weight.dtype):  # a tied int8 head has its own int8 copy
+            if layout_serves_all_rows(module.weight, weight.dtype):  # the activations are the embeddings' dtype
+                # a tied head keeps the table the lookup reads; a tied int8 head's weight is its own copy
                 module.use_layout_only(keep_weight=module is tied and not module.is_int8)
         if any(m.layout_only for m in linears):
             log.info("AMX tile layouts serve every step of %d of %d linear layers (no packed copy)",
