@@ -8,7 +8,8 @@ Targets: ``burstgate serve`` with a native deployment in each ``--dtype`` (plus 
 variants, e.g. scheduler settings), and optionally vLLM's CPU build in the same dtypes (``--vllm``, make peers),
 DeepSpeed-Inference in the same dtypes behind burstgate's deepspeed deployment (``--deepspeed``; static batches
 of 32) and llama.cpp's server on the same GGUF (``--llamacpp``: llama-server, its Q4_1 weights, 16 parallel
-slots).
+slots). ``--kv-cache-dtype fp8`` (repeatable, with ``auto``) stores the KV cache in fp8 on native and vLLM alike
+(vLLM's own flag), named ``<engine>-<dtype>+kv-fp8``.
 
 One client drives them all: burstgate's load tester (all requests at t=0, exact input lengths through each
 server's /tokenize, ignore_eos, fixed output lengths), the same request set for every target within a round,
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also vLLM's CPU build in each dtype (make peers)")
     ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed-Inference behind burstgate in each dtype")
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's server (make peers-llamacpp)")
+    ap.add_argument("--kv-cache-dtype", action="append", choices=["auto", "fp8", "fp8_e5m2"],
+                    help="KV cache storage of native and vLLM targets (repeatable; default auto)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--baseline", help="target the ratios divide by (default: vllm-<dtype>, else native-<dtype>, else the first)")
     ap.add_argument("--save", type=Path)
@@ -82,15 +85,18 @@ def main() -> None:
     rows = []
     with contextlib.ExitStack() as stack:
         targets: dict[str, str] = {}
-        for dtype in dtypes:
-            targets[f"native-{dtype}"] = serve_deployment(stack, {"kind": "native", "dtype": dtype})
+        for dtype, kv in ((d, kv) for d in dtypes for kv in args.kv_cache_dtype or ["auto"]):
+            variant, kv_fields = (dtype, {}) if kv == "auto" else (f"{dtype}+kv-{kv}", {"kv_cache_dtype": kv})
+            targets[f"native-{variant}"] = serve_deployment(stack, {"kind": "native", "dtype": dtype, **kv_fields})
             for name, fields in map(parse_variant, args.native):
-                targets[f"{name}-{dtype}"] = serve_deployment(stack, {"kind": "native", "dtype": dtype, **fields})
+                targets[f"{name}-{variant}"] = serve_deployment(stack, {"kind": "native", "dtype": dtype, **kv_fields,
+                                                                        **fields})
             if args.vllm:
                 port = free_port()
-                stack.callback(start_vllm(port, MODEL, dtype=dtype).terminate)
-                targets[f"vllm-{dtype}"] = f"http://127.0.0.1:{port}"
-            if args.deepspeed:
+                extra = () if kv == "auto" else ("--kv-cache-dtype", kv)
+                stack.callback(start_vllm(port, MODEL, dtype=dtype, extra_args=extra).terminate)
+                targets[f"vllm-{variant}"] = f"http://127.0.0.1:{port}"
+            if args.deepspeed and kv == "auto":
                 targets[f"deepspeed-{dtype}"] = serve_deployment(stack, {"kind": "deepspeed", "dtype": dtype})
         if args.llamacpp:
             port = free_port()
@@ -130,7 +136,7 @@ def summarize(rows: list[dict], workloads: list[str], targets: list[str], baseli
             medians[name] = {m: statistics.median(r[m] for r in mine) for m in METRICS}
             medians[name]["failed"] = sum(r["failed"] for r in mine)
         for name, values in medians.items():
-            dtype = name.rsplit("-", 1)[-1]
+            dtype = name.split("-", 1)[-1]  # the dtype, with its KV cache storage where that is not auto
             base = baseline or next((b for b in (f"vllm-{dtype}", f"native-{dtype}") if b in medians), targets[0])
             values["baseline"] = base
             values["throughput_ratio"] = values["output_throughput"] / medians[base]["output_throughput"]

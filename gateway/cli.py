@@ -58,6 +58,13 @@ class Quantization(str, Enum):
     int8 = "int8"
 
 
+class KvCacheDtype(str, Enum):
+    auto = "auto"
+    fp8 = "fp8"
+    fp8_e4m3 = "fp8_e4m3"
+    fp8_e5m2 = "fp8_e5m2"
+
+
 class BackendKind(str, Enum):
     native = "native"
     deepspeed = "deepspeed"
@@ -68,8 +75,8 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
     served. ``engine_options`` (``dtype``, ``device``,
-    ``tensor_parallel_size``, ``quantization``: None when not given) apply to every in-process deployment, and are refused
-    where none would use them."""
+    ``tensor_parallel_size``, ``quantization``, ``kv_cache_dtype``: None when not given) apply to every in-process
+    deployment, and are refused where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
         raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
@@ -147,6 +154,9 @@ def serve(
     quantization: Annotated[Quantization | None, typer.Option(help="Native engine weights: int8 (weight-only, a "
                                                               "scale per output channel; CPU) for decode-bound "
                                                               "serving.")] = None,
+    kv_cache_dtype: Annotated[KvCacheDtype | None, typer.Option(help="Native engine KV cache: auto (the model's "
+                                                                "dtype), or fp8 (e4m3) / fp8_e5m2, one byte per "
+                                                                "value (CPU), as vLLM's --kv-cache-dtype.")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
@@ -161,7 +171,8 @@ def serve(
     configure_logging(log_level, log_format)
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
-                      "quantization": quantization.value if quantization else None}
+                      "quantization": quantization.value if quantization else None,
+                      "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None}
     try:
         settings = build_settings(config, model, served_model_name, backend, **engine_options)
     except ValueError as exc:  # an invalid config file or environment override

@@ -16,6 +16,8 @@ from backends.tool_calls import ToolParserName
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's --kv-cache-dtype names ("fp8" is e4m3, as in vLLM) for KV caches of one byte per value
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class EngineConfig(BaseModel):
@@ -33,6 +35,9 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: CUDA when present
     # int8: weight-only int8, a scale per output channel (linear.py), for decode-bound CPU serving; CPU only
     quantization: Literal["int8"] | None = None
+    # KV cache storage: auto, as the model's dtype; fp8 (e4m3) or fp8_e5m2, one byte per value with vLLM's default
+    # scale of 1: half a bf16 cache's bytes for decode to read, twice the tokens in the same memory; CPU only
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     block_size: int = Field(16, ge=1, le=64)
     kv_cache_gb: float | None = Field(None, gt=0)  # None: 2 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # share of the GPU this engine may use (vLLM's name)
@@ -75,6 +80,10 @@ class EngineConfig(BaseModel):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    def torch_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """``kv_cache_dtype`` resolved for a model computing in ``dtype``."""
+        return dtype if self.kv_cache_dtype == "auto" else FP8_KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
 CPUINFO = Path("/proc/cpuinfo")

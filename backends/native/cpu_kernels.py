@@ -45,16 +45,19 @@ _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsav
 LEVELS = {"x86-64-v2": _V2, "x86-64-v3": _V3, "x86-64-v4": _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
                                                                   "avx512vl"}}
 DTYPE_FLAGS = {torch.float32: 0, torch.bfloat16: 1}  # the storage types the kernels read: their `is_bf16` flag
+# KV caches in 8-bit floats: the kernels' `kv_format` (csrc/fp8.h); 0 is a cache stored as the activations
+FP8_KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # every exported function returns int (0, or nonzero for a layout it refuses)
     "paged_attention_supported": [i64, i64, i64, i64],
-    "paged_decode_attention": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32],
+    "paged_decode_attention": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, i32,
+                               i32],
     "paged_prefill_attention": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                f32, i32],
+                                f32, i32, i32],
     "add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],
     "silu_and_mul": [ptr, ptr, i64, i64, i32],
-    "rotary_store_kv": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32],
+    "rotary_store_kv": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32, i32],
     "int8_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
     "tile_linear_supported": [],
     "tile_linear": [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],
@@ -62,11 +65,16 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
     "tile_linear_add": [ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32],
     "prefill_attention_amx_supported": [i64, i64, i64, i64],
     "paged_prefill_attention_amx": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                    f32, i32],
+                                    f32, i32, i32],
     "strip_linear_supported": [],
     "strip_linear": [ptr, ptr, ptr, i64, i64, i64],
     "step_layers": [ptr, i64, ptr, ptr, ptr],
 }
+
+
+def kv_format(cache: torch.Tensor) -> int:
+    """The kernels' ``kv_format`` of a KV cache tensor: 0 where it is stored as the activations, else its fp8 format."""
+    return FP8_KV_FORMATS.get(cache.dtype, 0)
 
 
 def cache_dir() -> Path:

@@ -76,9 +76,10 @@ class LLMEngine:
         self._offline_ids = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        log.info("native engine: %s on %s, %s (dtype %s), %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-                 "kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, config.dtype,
+        log.info("native engine: %s on %s, %s (dtype %s), %d KV blocks of %d tokens (%d tokens, %s), max_model_len "
+                 "%d, kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, config.dtype,
                  self.blocks.num_blocks, config.block_size, self.blocks.num_blocks * config.block_size,
+                 self.runner.kv_dtype,
                  self.max_model_len, self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
         if config.warmup:
             self.warm_up()
@@ -255,7 +256,8 @@ class LLMEngine:
                 "num_threads": self.num_threads,
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
                 "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
-                    self.model_config, self.blocks.block_size, runner.dtype, self.config.tensor_parallel_size),
+                    self.model_config, self.blocks.block_size, runner.kv_dtype, self.config.tensor_parallel_size),
+                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)

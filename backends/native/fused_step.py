@@ -21,7 +21,7 @@ import torch
 from backends.native.attention import Kernels
 from backends.native.attention.cpu_attention import CpuAttention, CpuMetadata, amx_prefill_runs
 from backends.native.batch import Batch
-from backends.native.cpu_kernels import DTYPE_FLAGS, library
+from backends.native.cpu_kernels import DTYPE_FLAGS, kv_format, library
 from backends.native.layer_ops import CpuLayerOps
 from backends.native.linear import STRIP_ROWS, TILE_ROWS, Linear
 from backends.native.model import LlamaModel
@@ -42,7 +42,8 @@ class StepShape(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("rows", "hidden", "num_heads", "num_kv_heads", "head_dim",
                                                        "intermediate", "num_blocks", "block_size")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((name, ctypes.c_int32) for name in ("is_bf16", "weight_kind", "scales_bf16", "amx_prefill"))]
+                *((name, ctypes.c_int32) for name in ("is_bf16", "weight_kind", "scales_bf16", "amx_prefill",
+                                                       "kv_format"))]
 
 
 class StepTokens(ctypes.Structure):
@@ -111,7 +112,8 @@ class FusedStep:
                                                           block_size)
         self.shape = StepShape(0, cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                mlp.intermediate_size, num_blocks, block_size, cfg.rms_norm_eps, attn.scale,
-                               DTYPE_FLAGS[dtype], kind, scales is not None and scales.dtype == torch.bfloat16, amx)
+                               DTYPE_FLAGS[dtype], kind, scales is not None and scales.dtype == torch.bfloat16, amx,
+                               kv_format(kv_caches[0][0]))
         self.sizes = {"qkv": attn.q_size + 2 * attn.kv_size, "attn": attn.q_size, "gate_up": 2 * mlp.intermediate_size,
                       "act": mlp.intermediate_size}
 

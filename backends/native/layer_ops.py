@@ -11,16 +11,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
+from backends.native.cpu_kernels import DTYPE_FLAGS, kv_format, library, load
 from backends.native.rotary import apply_rotary
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values [T, Hkv, D] into the caches [Hkv, num_blocks, block_size, D]."""
+    """Store this step's keys/values [T, Hkv, D] into the caches [Hkv, num_blocks, block_size, D], rounded to
+    an fp8 cache's type (to nearest, saturating: see ``to_cache_dtype``)."""
     h, _, _, d = k_cache.shape
-    k_cache.view(h, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(h, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache_dtype(x.transpose(0, 1), cache.dtype)
+        if x.dtype.itemsize == 1:  # torch has no index_copy_ for fp8 on CPU: copy the bytes
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(h, -1, d).index_copy_(1, slot_mapping, x)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a KV cache of ``dtype`` stores it: fp8 saturates at its largest finite value, as vLLM's
+    conversions do (torch's own gives inf for e5m2), and rounds to nearest even."""
+    if dtype == x.dtype:
+        return x
+    if dtype.itemsize == 1:
+        largest = torch.finfo(dtype).max
+        x = x.float().clamp(-largest, largest)
+    return x.to(dtype)
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
@@ -105,5 +120,5 @@ class CpuLayerOps:
         cos, sin = cos.contiguous(), sin.contiguous()
         library().rotary_store_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), slot_mapping.data_ptr(), t, num_heads, num_kv_heads, d,
-                                  k_cache.shape[1] * k_cache.shape[2], DTYPE_FLAGS[qkv.dtype])
+                                  k_cache.shape[1] * k_cache.shape[2], DTYPE_FLAGS[qkv.dtype], kv_format(k_cache))
         return split_heads(qkv, num_heads, num_kv_heads, d)

@@ -75,6 +75,10 @@ class ModelRunner:
             keep_freed_memory()  # each step's activations reuse memory instead of faulting in fresh pages
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on CPU only (torch's int8 weight kernel); device is {self.device}")
+        self.kv_dtype = config.torch_kv_cache_dtype(self.dtype)
+        if self.kv_dtype != self.dtype and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs on CPU only (the CUDA kernels read caches "
+                             f"stored as the model's dtype); device is {self.device}")
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = self._load(config, checkpoint)
@@ -116,20 +120,20 @@ class ModelRunner:
         cfg = local_config(self.model.config, self.tp.size)
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         shape = (cfg.num_kv_heads, num_blocks + 1, self.block_size, cfg.head_dim)  # head-major: see attention/
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
 
     def _fit_blocks(self, config: EngineConfig) -> int:
         cfg, tp_size = self.model.config, self.tp.size
         if config.kv_cache_gb is not None or self.device.type != "cuda":
             budget = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb is not None else CPU_KV_CACHE_BYTES
-            return kv_cache_blocks(cfg, self.block_size, self.dtype, budget, tp_size)
+            return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size)
         free, total = self._profile(config)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         log.info("KV cache: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f; %.2f GiB used by weights, "
                  "peak activations and others)", max(budget, 0) / 2**30, total / 2**30,
                  config.gpu_memory_utilization, (total - free) / 2**30)
-        return kv_cache_blocks(cfg, self.block_size, self.dtype, budget, tp_size)
+        return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size)
 
     def _profile(self, config: EngineConfig) -> tuple[int, int]:
         """(free, total) GPU bytes as they would be at the peak of a step at the full token budget."""

@@ -25,7 +25,7 @@ import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
 from backends.native.batch import Batch
-from backends.native.cpu_kernels import DTYPE_FLAGS, library, load
+from backends.native.cpu_kernels import DTYPE_FLAGS, kv_format, library, load
 
 
 @dataclass
@@ -95,7 +95,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [B, Hq, D] for one new query token per sequence (same contract as the Triton kernel).
 
-    ``q`` [B, Hq, D]; caches [Hkv, num_blocks, block_size, D] (contiguous); ``block_tables`` [B, max_blocks]
+    ``q`` [B, Hq, D]; caches [Hkv, num_blocks, block_size, D] (contiguous; as ``q`` or fp8); ``block_tables`` [B, max_blocks]
     and ``context_lens`` [B], int64. Written into ``out`` (contiguous) when given.
     """
     return _run(library().paged_decode_attention, q, k_cache, v_cache, block_tables, [context_lens], scale, out)
@@ -135,12 +135,13 @@ def _amx_prefill_supported(num_heads: int, num_kv_heads: int, head_dim: int, blo
 def _run(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
          per_sequence: list[torch.Tensor], scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Call a paged-attention kernel (csrc/paged_attention.c, csrc/prefill_attention_amx.c): all take q, the
-    caches and block tables, then their per-sequence int64 arrays, then the output, the sequence count and
-    the layout."""
+    caches and block tables, then their per-sequence int64 arrays, then the output, the sequence count, the
+    layout and the storage types."""
     q, tables = _rows(q), block_tables.contiguous()
     hkv, num_blocks, block_size, d = k_cache.shape
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     _checked(kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                     tables.stride(0), *(t.data_ptr() for t in per_sequence), out.data_ptr(), len(per_sequence[0]),
-                    q.shape[1], hkv, num_blocks, block_size, d, scale, DTYPE_FLAGS[q.dtype]), q, k_cache)
+                    q.shape[1], hkv, num_blocks, block_size, d, scale, DTYPE_FLAGS[q.dtype], kv_format(k_cache)),
+             q, k_cache)
     return out

@@ -105,6 +105,7 @@ class TorchAttention(AttentionBackend):
             keys, values = self.workspace.tensors(shape, 2, k_cache.dtype, k_cache.device)
             gather(k_cache, g.block_tables, keys)  # [n, Hkv, L, D]
             gather(v_cache, g.block_tables, values)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # fp8 caches: widened (exact)
             scores = torch.matmul(grouped[g.start:g.end], keys.transpose(-1, -2)) * scale  # [n, Hkv, G, L]
             scores = scores.masked_fill_(~g.mask, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -144,12 +145,13 @@ def prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
                   block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """Causal attention output [Q, Hq, D] of one prefill chunk: queries ``q`` [Q, Hq, D] and their keys and
     values ``k``/``v`` [Q, Hkv, D] are the last Q of the sequence's ``context_len`` positions, all of which
-    are in the caches at ``block_table``."""
-    if context_len == q.shape[0]:  # no cached prefix: the fresh keys are all there is
+    are in the caches at ``block_table``. The keys and values attended are the caches' (an fp8 cache's are
+    rounded), as in a later step that finds this chunk a cached prefix."""
+    if context_len == q.shape[0] and k_cache.dtype == k.dtype:  # no cached prefix: the fresh keys are all there is
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
-        keys = gather(k_cache, block_table)[0, :, :context_len]
-        values = gather(v_cache, block_table)[0, :, :context_len]
+        keys = gather(k_cache, block_table)[0, :, :context_len].to(q.dtype)
+        values = gather(v_cache, block_table)[0, :, :context_len].to(q.dtype)
     return prefill_attention(q.transpose(0, 1), keys, values, scale).transpose(0, 1)
 
 

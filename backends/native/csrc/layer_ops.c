@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "vector_math.h"
 
@@ -170,13 +171,31 @@ static inline __attribute__((always_inline)) void rotate_row(void *x, const floa
     }
 }
 
+static inline __attribute__((always_inline)) void store_fp8_as(const void *src, uint8_t *dst, int64_t n,
+                                                               const int is_bf16, const int format) {
+    int64_t i = 0;
+#if defined(HAVE_FP8_VECTORS)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = is_bf16 ? load_bf16x16((const uint16_t *)src + i) : _mm512_loadu_ps((const float *)src + i);
+        _mm_storeu_si128((__m128i *)(dst + i), f32x16_to_fp8(x, format));
+    }
+#endif
+    for (; i < n; i++) dst[i] = f32_to_fp8(load(src, i, is_bf16), format);
+}
+
+/* dst[i] = src[i] (n values, fp32 or bf16) rounded to the fp8 format. */
+static void store_fp8(const void *src, uint8_t *dst, int64_t n, int is_bf16, int format) {
+    if (format == KV_FP8_E4M3) is_bf16 ? store_fp8_as(src, dst, n, 1, KV_FP8_E4M3) : store_fp8_as(src, dst, n, 0, KV_FP8_E4M3);
+    else is_bf16 ? store_fp8_as(src, dst, n, 1, KV_FP8_E5M2) : store_fp8_as(src, dst, n, 0, KV_FP8_E5M2);
+}
+
 /* For each token t of qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim] (row stride `stride`):
  * rotate its query and key heads in place by cos/sin [tokens, head_dim / 2] (fp32, looked up for its
- * position), then copy its key and value heads into slot slot_mapping[t] of the head-major caches
- * [num_kv_heads, cache_slots, head_dim]. */
+ * position), then store its key and value heads into slot slot_mapping[t] of the head-major caches
+ * [num_kv_heads, cache_slots, head_dim]: copied, or rounded to the caches' fp8 kv_format (fp8.h). */
 int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *sin, void *k_cache, void *v_cache,
                     const int64_t *slot_mapping, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                    int64_t head_dim, int64_t cache_slots, int is_bf16) {
+                    int64_t head_dim, int64_t cache_slots, int is_bf16, int kv_format) {
     const int64_t size = is_bf16 ? 2 : 4, half = head_dim / 2, row_bytes = head_dim * size;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
@@ -203,9 +222,16 @@ int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *si
         }
         const int64_t slot = slot_mapping[t];
         for (int64_t h = 0; h < num_kv_heads; h++) {
+            const char *k = row + (num_heads + h) * row_bytes, *v = row + (num_heads + num_kv_heads + h) * row_bytes;
+            if (kv_format != KV_AS_ACTIVATIONS) {
+                const int64_t at = (h * cache_slots + slot) * head_dim;
+                store_fp8(k, (uint8_t *)k_cache + at, head_dim, is_bf16, kv_format);
+                store_fp8(v, (uint8_t *)v_cache + at, head_dim, is_bf16, kv_format);
+                continue;
+            }
             const int64_t at = (h * cache_slots + slot) * row_bytes;
-            memcpy((char *)k_cache + at, row + (num_heads + h) * row_bytes, row_bytes);
-            memcpy((char *)v_cache + at, row + (num_heads + num_kv_heads + h) * row_bytes, row_bytes);
+            memcpy((char *)k_cache + at, k, row_bytes);
+            memcpy((char *)v_cache + at, v, row_bytes);
         }
     }
     return 0;

@@ -18,7 +18,9 @@
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already); in prefill each
  * thread takes a run of them of about equal cost (prefill_share).
  * Sums are fp32; bf16 storage is widened block by block in decode (or multiplied in pairs, above), slice by
- * slice in prefill. Built and loaded by cpu_kernels.py;
+ * slice in prefill. fp8 caches (kv_format, fp8.h) hold half a bf16 cache's bytes; each block read is widened
+ * first (in decode to bf16 for the tiles, else fp32) and then attended as a block of that type.
+ * Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
  */
 
@@ -29,6 +31,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "prefill_tasks.h"
 #include "vector_math.h"
@@ -344,18 +347,24 @@ int paged_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t h
 
 /* out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s] for every sequence s and query head h.
  * q: [num_seqs, num_heads, head_dim] with q_stride elements between sequences (heads contiguous);
- * out: the same shape, contiguous; caches: [num_kv_heads, num_blocks, block_size, head_dim];
- * block_tables: num_seqs rows of table_stride int64; context_lens: [num_seqs] int64, each >= 1.
- * Returns 0, or -1 for a layout paged_attention_supported refuses. */
+ * out: the same shape, contiguous; caches: [num_kv_heads, num_blocks, block_size, head_dim], stored as q
+ * (is_bf16) or as kv_format says; block_tables: num_seqs rows of table_stride int64; context_lens: [num_seqs]
+ * int64, each >= 1. Returns 0, or -1 for a layout paged_attention_supported refuses. */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, void *out,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
-                           int64_t block_size, int64_t head_dim, float scale, int is_bf16) {
+                           int64_t block_size, int64_t head_dim, float scale, int is_bf16, int kv_format) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, size = is_bf16 ? 2 : 4;
+    const int64_t kv_size = kv_format == KV_AS_ACTIVATIONS ? size : 1;
 #if defined(DECODE_AMX)
     const int amx = is_bf16 && d % 32 == 0 && block_size % 16 == 0 && amx_permitted();
+#else
+    const int amx = 0;
 #endif
+    /* fp8 blocks are widened as they are read, to bf16 for the tile products, else to fp32: after that, the
+     * block is a cache block of that type in L1 (kv_bf16: whether the block read is bf16) */
+    const int kv_bf16 = kv_format == KV_AS_ACTIVATIONS ? is_bf16 : amx;
     #pragma omp parallel
     {
 #if defined(DECODE_AMX)
@@ -365,6 +374,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+            /* a block widened: from fp8 (before any path), or from bf16 (on the last one) */
             float kbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM], vbuf[MAX_BLOCK_SIZE * MAX_HEAD_DIM];
             const int64_t head0 = (s * num_heads + h * group) * d, q0 = s * q_stride + h * group * d;
             const int64_t *table = block_tables + s * table_stride;
@@ -385,8 +395,13 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 const int64_t base = (h * num_blocks + table[start / block_size]) * block_size * d;
                 if (start + PREFETCH_AHEAD * block_size < ctx)
                     prefetch_block(k_cache, v_cache, h * num_blocks + table[start / block_size + PREFETCH_AHEAD],
-                                   block_size * d * size);
-                const void *kb = (const char *)k_cache + base * size, *vb = (const char *)v_cache + base * size;
+                                   block_size * d * kv_size);
+                const void *kb = (const char *)k_cache + base * kv_size, *vb = (const char *)v_cache + base * kv_size;
+                if (kv_format != KV_AS_ACTIVATIONS) {
+                    widen_fp8(kb, kbuf, n * d, kv_format, kv_bf16); /* kv_bf16 only on the tiles: never again */
+                    widen_fp8(vb, vbuf, n * d, kv_format, kv_bf16);
+                    kb = kbuf, vb = vbuf;
+                }
 #if defined(DECODE_AMX)
                 if (amx) { /* 16 keys per pair of tile products */
                     for (int64_t t = 0; t < n; t += 16)
@@ -397,16 +412,16 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 #endif
 #if defined(__AVX512F__)
                 if (d % 32 == 0) { /* in place, 16 keys per vector of scores */
-                    const uint16_t *qh = is_bf16 ? (const uint16_t *)q + q0 : NULL;
-                    if (d == 64 && is_bf16) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 1);
+                    const uint16_t *qh = kv_bf16 ? (const uint16_t *)q + q0 : NULL;
+                    if (d == 64 && kv_bf16) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 1);
                     else if (d == 64) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 0);
-                    else if (is_bf16) attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 1);
+                    else if (kv_bf16) attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 1);
                     else attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 0);
                     continue;
                 }
 #endif
                 const float *k = kb, *v = vb;
-                if (is_bf16) {
+                if (kv_bf16) {
                     widen(kb, kbuf, n * d);
                     widen(vb, vbuf, n * d);
                     k = kbuf;
@@ -594,16 +609,17 @@ static void attend_slice_any(const float *const *krow, const float *const *vrow,
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
  * the last query_lens[s] of context_lens[s] positions. One task per (sequence, KV head, tile of TILE_ROWS
  * query rows: its tokens x the group's query heads, prefill_tasks.h); a tile walks its keys KEYS at a time,
- * across blocks. bf16 keys and values are widened slice by slice; fp32 ones are read in place. Returns 0, or -1
- * for a layout paged_attention_supported refuses. */
+ * across blocks. bf16 and fp8 keys and values are widened slice by slice; fp32 ones are read in place. Returns 0,
+ * or -1 for a layout paged_attention_supported refuses. */
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables,
                             int64_t table_stride, const int64_t *query_starts, const int64_t *query_lens,
                             const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t num_blocks, int64_t block_size, int64_t head_dim,
-                            float scale, int is_bf16) {
+                            float scale, int is_bf16, int kv_format) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
+    const int widened = is_bf16 || kv_format != KV_AS_ACTIVATIONS; /* else fp32, read in place */
     #pragma omp parallel
     {
         int64_t first, end; /* a task's fixed work, its queries' loads and output, ~1 slice of keys */
@@ -635,13 +651,16 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                     const int64_t key = key0 + j, block = block_tables[s * table_stride + key / block_size];
                     const int64_t at = ((h * num_blocks + block) * block_size + key % block_size) * d;
                     run = block_size - key % block_size < n - j ? block_size - key % block_size : n - j;
-                    if (is_bf16) {
+                    if (kv_format != KV_AS_ACTIVATIONS) {
+                        widen_fp8((const uint8_t *)k_cache + at, kbuf + j * d, run * d, kv_format, 0);
+                        widen_fp8((const uint8_t *)v_cache + at, vbuf + j * d, run * d, kv_format, 0);
+                    } else if (is_bf16) {
                         widen((const uint16_t *)k_cache + at, kbuf + j * d, run * d);
                         widen((const uint16_t *)v_cache + at, vbuf + j * d, run * d);
                     }
                     for (int64_t u = 0; u < run; u++) {
-                        krow[j + u] = is_bf16 ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
-                        vrow[j + u] = is_bf16 ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
+                        krow[j + u] = widened ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
+                        vrow[j + u] = widened ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
                     }
                 }
                 for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];

@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "fp8.h"
 #include "kernels.h"
 #include "prefill_tasks.h"
 #include "vector_math.h"
@@ -129,11 +130,13 @@ static inline void transpose_16x16(__m512i *r) {
 /* The gathered values of the step of keys from N0 (a multiple of STEP): a block [d][STEP / 2] of key pairs. */
 #define STEP_VALUES(VT, N0, D) ((VT) + (N0) / STEP * ((D) * STEP / 2))
 
-/* Keys 0..ctx of one (sequence, KV head) from the paged cache: k[n] as stored (d bf16 each), and in vt, per step
- * of STEP keys from n0, a block [d][STEP / 2] whose [i][p] is dim i of keys n0 + 2p and n0 + 2p + 1 (one 32-bit
- * pair, the first in the low half); zeros up to `padded` keys (a multiple of STEP). */
-static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx, int64_t padded,
-                   int64_t head, int64_t num_blocks, int64_t block_size, int64_t d, uint16_t *k, uint32_t *vt) {
+/* Keys 0..ctx of one (sequence, KV head) from the paged cache (bf16, or fp8 as kv_format says): k[n] as stored (d
+ * bf16 each), and in vt, per step of STEP keys from n0, a block [d][STEP / 2] whose [i][p] is dim i of keys n0 + 2p
+ * and n0 + 2p + 1 (one 32-bit pair, the first in the low half); zeros up to `padded` keys (a multiple of STEP). */
+static void gather(const void *k_cache, const void *v_cache, const int64_t *table, int64_t ctx, int64_t padded,
+                   int64_t head, int64_t num_blocks, int64_t block_size, int64_t d, int kv_format, uint16_t *k,
+                   uint32_t *vt) {
+    uint16_t wide[STEP][MAX_DIM]; /* a step's fp8 values, widened */
     memset(k + ctx * d, 0, (padded - ctx) * d * 2);
     for (int64_t n0 = 0; n0 < ctx; n0 += 32) { /* a step's keys at a time: per dim, their 16 pairs make one vector */
         const int64_t nn = ctx - n0 < 32 ? ctx - n0 : 32;
@@ -141,8 +144,14 @@ static void gather(const uint16_t *k_cache, const uint16_t *v_cache, const int64
         for (int64_t t = 0; t < nn; t++) {
             const int64_t n = n0 + t;
             const int64_t row = ((head * num_blocks + table[n / block_size]) * block_size + n % block_size) * d;
-            memcpy(k + n * d, k_cache + row, d * 2);
-            v[t] = v_cache + row;
+            if (kv_format != KV_AS_ACTIVATIONS) {
+                widen_fp8((const uint8_t *)k_cache + row, k + n * d, d, kv_format, 1);
+                widen_fp8((const uint8_t *)v_cache + row, wide[t], d, kv_format, 1);
+                v[t] = wide[t];
+            } else {
+                memcpy(k + n * d, (const uint16_t *)k_cache + row, d * 2);
+                v[t] = (const uint16_t *)v_cache + row;
+            }
         }
         for (int64_t i0 = 0; i0 < d; i0 += 16) {
             __m512i x[16]; /* key pair p: lane i its dim i0 + i */
@@ -330,13 +339,13 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
 }
 #endif
 
-/* The same contract as paged_prefill_attention (paged_attention.c), for bf16 q, caches and out (is_bf16);
- * returns 0, or 1 where it does not run (fp32, or see prefill_attention_amx_supported), -2 without memory. */
+/* The same contract as paged_prefill_attention (paged_attention.c), for bf16 q and out (is_bf16) and bf16 or fp8
+ * caches; returns 0, or 1 where it does not run (fp32, or see prefill_attention_amx_supported), -2 without memory. */
 int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *block_tables, int64_t table_stride, const int64_t *query_starts,
                                 const int64_t *query_lens, const int64_t *context_lens, void *out, int64_t num_seqs,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                                int64_t head_dim, float scale, int is_bf16) {
+                                int64_t head_dim, float scale, int is_bf16, int kv_format) {
 #if defined(HAVE_AMX_BF16)
     /* scale > 0: the running maxima are kept on unscaled scores */
     if (!is_bf16 || !(scale > 0) || !prefill_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size))
@@ -360,7 +369,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t padded = (context_lens[s] + STEP - 1) / STEP * STEP, at = offset[s] + h * padded * d / 2;
                 gather(k_cache, v_cache, block_tables + s * table_stride, context_lens[s], padded, h, num_blocks,
-                       block_size, d, keys + 2 * at, values + at);
+                       block_size, d, kv_format, keys + 2 * at, values + at);
             }
         }
         configure();
@@ -396,7 +405,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
 #else
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)block_tables, (void)table_stride, (void)query_starts;
     (void)query_lens, (void)context_lens, (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads;
-    (void)num_blocks, (void)block_size, (void)head_dim, (void)scale, (void)is_bf16;
+    (void)num_blocks, (void)block_size, (void)head_dim, (void)scale, (void)is_bf16, (void)kv_format;
     return 1;
 #endif
 }

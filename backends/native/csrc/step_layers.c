@@ -39,6 +39,7 @@ struct step_shape {
     float eps, scale;
     int32_t is_bf16, weight_kind, scales_bf16;
     int32_t amx_prefill; /* prefill chunks on prefill_attention_amx.c, else paged_attention.c's vector kernel */
+    int32_t kv_format;   /* how the KV cache stores keys and values (fp8.h) */
 };
 
 /* Per-step buffers: on entry hidden [rows, hidden] holds the embeddings and residual [rows, hidden] is free; on
@@ -85,13 +86,13 @@ static int attention(const struct step_shape *s, const struct step_tokens *t, co
     if (nd)
         RUN(paged_decode_attention(qkv, qkv_size, w->k_cache, w->v_cache, t->decode_tables, t->decode_table_stride,
                                    t->decode_context_lens, out, nd, s->num_heads, s->num_kv_heads, s->num_blocks,
-                                   s->block_size, s->head_dim, s->scale, s->is_bf16));
+                                   s->block_size, s->head_dim, s->scale, s->is_bf16, s->kv_format));
     if (t->num_prefills)
         RUN((s->amx_prefill ? paged_prefill_attention_amx : paged_prefill_attention)(
             (const char *)qkv + nd * qkv_size * size, qkv_size, w->k_cache, w->v_cache, t->prefill_tables,
             t->prefill_table_stride, t->prefill_query_starts, t->prefill_query_lens, t->prefill_context_lens,
             (char *)out + nd * q_size * size, t->num_prefills, s->num_heads, s->num_kv_heads, s->num_blocks,
-            s->block_size, s->head_dim, s->scale, s->is_bf16));
+            s->block_size, s->head_dim, s->scale, s->is_bf16, s->kv_format));
     return 0;
 }
 
@@ -112,7 +113,8 @@ int step_layers(const struct layer_weights *layers, int64_t num_layers, const st
                              s->is_bf16));
         RUN(linear(s, b->hidden, w->qkv, w->qkv_scales, w->qkv_bias, b->qkv, qkv_size, s->hidden));
         RUN(rotary_store_kv(b->qkv, qkv_size, t->cos, t->sin, w->k_cache, w->v_cache, t->slot_mapping, s->rows,
-                            s->num_heads, s->num_kv_heads, s->head_dim, s->num_blocks * s->block_size, s->is_bf16));
+                            s->num_heads, s->num_kv_heads, s->head_dim, s->num_blocks * s->block_size, s->is_bf16,
+                            s->kv_format));
         RUN(attention(s, t, w, b->qkv, qkv_size, b->attn));
         if (blocked) {
             RUN(tile_linear_add(b->attn, w->o, w->o_scales, b->residual, s->rows, s->hidden, q_size, int8,

@@ -2,7 +2,8 @@
 cache of the eager path, for every kind of small-step copy this CPU has (AMX tiles of bf16 or int8 weights,
 AVX-512 strips of fp32 ones): decodes, prefill chunks (with and without a cached prefix) and mixes of both, up to
 the rows the copies serve; with tile layouts as the weights' only copies (bf16 or int8), steps of any size (the
-tile kernel's blocked path). Larger steps and ``enforce_eager`` run eagerly."""
+tile kernel's blocked path); over KV caches stored as the activations or in fp8. Larger steps and
+``enforce_eager`` run eagerly."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 128, "in
 # weights have only their tile layouts)
 COPIES = {"bf16-tiles": (dict(dtype="bfloat16"), None),
           "int8-tiles": (dict(dtype="bfloat16", quantization="int8"), None),
-          "fp32-strips": (dict(dtype="float32"), STRIP_ROWS)}
+          "fp32-strips": (dict(dtype="float32"), STRIP_ROWS),
+          # fp8 KV caches (kv_cache_dtype), rounded as they are stored and widened as they are read
+          "bf16-tiles-fp8-kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), None),
+          "fp32-strips-fp8-e5m2-kv": (dict(dtype="float32", kv_cache_dtype="fp8_e5m2"), STRIP_ROWS)}
 BLOCK_SIZE = 16
 
 
@@ -96,7 +100,8 @@ def test_a_fused_step_leaves_the_eager_steps_logits_and_kv_cache(tiny_model, fie
     assert fused_rows == [n for n in rows if max_rows is None or n <= max_rows]
     for eager_cache, fused_cache in zip(eager.kv_caches, fused.kv_caches):
         for expected, got in zip(eager_cache, fused_cache):  # all but the scratch block the eager padding writes
-            assert torch.equal(got[:, :-1], expected[:, :-1])
+            assert got.dtype == fused.kv_dtype and torch.equal(got[:, :-1].view(torch.uint8),
+                                                               expected[:, :-1].view(torch.uint8))
 
 
 def test_steps_with_more_rows_than_the_copies_serve_run_eagerly(tiny_model):

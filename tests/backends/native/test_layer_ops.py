@@ -129,3 +129,42 @@ def test_rotary_store_kv_matches_torch_and_fills_the_same_cache_slots(ops, devic
         torch.testing.assert_close(g, w, **TOLERANCE[dtype])
         assert (g.view(num_kv_heads, -1, head_dim)[:, slots] != 0).all()  # every token landed in its slot
     assert got[0].data_ptr() == qkv.data_ptr()  # q is a view of qkv, rotated in place
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.skipif(not CpuLayerOps.available(torch.float32, torch.device("cpu")), reason="no C compiler here")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 40], ids=["vectors", "vectors-and-scalar-tail"])
+def test_rotary_store_kv_rounds_into_an_fp8_cache_bit_for_bit_as_the_torch_reference(dtype, cache_dtype, d):
+    # Every finite bf16 value (as keys and values), and in fp32 random values across fp8's range, its subnormals
+    # and ties, past its largest finite value (saturated, as vLLM's conversions do) and infinities; a rotation by
+    # 0 (cos 1, sin 0) leaves the keys as they are, so both caches hold exactly the rounded inputs. Rows of 40
+    # values end in 8 the kernel rounds one by one (16 at a time before them)
+    if dtype == torch.bfloat16:
+        x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        x = x[x.isfinite()]
+    else:
+        torch.manual_seed(0)
+        x = torch.randn(60_000) * torch.logspace(-12, 6, 60_000) * torch.tensor([-1.0, 1.0]).repeat(30_000)
+        steps = 2.0 ** torch.arange(-20, 17).float()  # values halfway between fp8 neighbours round to even
+        x = torch.cat([x, steps * 1.0625, steps * 1.125, steps * 1.1875, steps * 1.25, torch.tensor([
+            float("inf"), -float("inf"), 448.0, 464.0, 480.0, 57344.0, 61440.0, 1e30, -1e30, 0.0, -0.0])])
+    hkv = 1
+    x = x[:len(x) // d * d].view(-1, d)
+    tokens = len(x)
+    qkv = torch.cat([x, x, x], dim=1).to(dtype)  # one query head, one key head, one value head
+    cos, sin = torch.ones(tokens, 1, d // 2), torch.zeros(tokens, 1, d // 2)
+    slots = torch.randperm(tokens)
+    caches = {}
+    for ops in (TorchLayerOps, CpuLayerOps):
+        k_cache, v_cache = (torch.zeros(hkv, tokens, 1, d, dtype=cache_dtype) for _ in range(2))
+        ops.rotary_store_kv(qkv.clone(), 1, hkv, cos, sin, k_cache, v_cache, slots)
+        caches[ops.name] = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    assert torch.equal(caches["C"][0], caches["torch"][0]) and torch.equal(caches["C"][1], caches["torch"][1])
+    stored = caches["C"][0].view(cache_dtype).view(tokens, d)[slots].float()  # token t went to slot slots[t]
+    largest = torch.finfo(cache_dtype).max
+    assert stored.isfinite().all() and torch.equal(stored, x.to(dtype).float().clamp(-largest, largest).to(
+        cache_dtype).float())

@@ -153,6 +153,26 @@ def test_bf16_caches_give_bf16_answers_within_rounding(make_backend, hq, hkv, d,
     torch.testing.assert_close(got.cpu().double(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("make_backend", [TorchAttention, *CPU_ONLY], ids=["torch", "c-cpu", "c-cpu-vector-prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hq, hkv, d, block_size", [(9, 3, 64, 16), (8, 2, 128, 64), (10, 2, 40, 24)])
+def test_fp8_caches_give_the_attention_of_the_values_they_hold(make_backend, dtype, cache_dtype, hq, hkv, d,
+                                                                block_size):
+    # kv_cache_dtype fp8: every path reads the one-byte caches as the values they hold (widened exactly: to bf16
+    # for the decode tiles and the prefill tile kernel, to fp32 on vectors, on the scalar path for the tail of a
+    # head size of 40); so the answer is that of those values in fp64, within the activations' rounding. This
+    # step's fresh keys arrive in the activations' type, and prefill chunks attend to the cache's rounding of them
+    (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, cache_dtype, torch.device("cpu"), block_size)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    backend = make_backend(block_size, k_cache.shape[1] - 1, torch.device("cpu"))
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), d ** -0.5)
+    assert got.dtype == dtype
+    expected = reference(q, k_cache.float(), v_cache.float(), batch, d ** -0.5)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
 def _tiny_config(**overrides) -> ModelConfig:
     fields = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                   num_kv_heads=2, head_dim=16, max_position_embeddings=64)

@@ -38,7 +38,7 @@ def test_bf16_prefill_on_the_amx_tiles_answers_as_the_vector_kernel_does():
     tiles = cpu_attention._run(lib.paged_prefill_attention_amx, *args)  # raises if the kernel refused
     vectors = cpu_attention._run(lib.paged_prefill_attention, *args)
     torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-2, rtol=2e-2)
-    assert lib.paged_prefill_attention_amx(*([0] * 16), 0.1, 0) == 1  # fp32 (is_bf16 0): not its to run
+    assert lib.paged_prefill_attention_amx(*([0] * 16), 0.1, 0, 0) == 1  # fp32 (is_bf16 0): not its to run
     # scale <= 0 is the vector kernel's to run: the tiles keep their running maxima on unscaled scores
     for scale in (0.0, -0.125):
         with pytest.raises(ValueError, match="unsupported layout"):  # refused on the layout it runs at 0.125
