@@ -111,6 +111,12 @@ def test_serve_options_reach_the_default_deployment():
         build_settings(None, None, None, BackendKind.deepspeed, tensor_parallel_size=2)
     (route,) = build_settings(None, None, tensor_parallel_size=3).routes()
     assert route.deployments[0].tensor_parallel_size == 3
+    (route,) = build_settings(None, None, kv_cache_dtype="fp8_e5m2").routes()
+    assert route.deployments[0].kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(typer.BadParameter, match="--kv-cache-dtype apply to the native engine only"):
+        build_settings(None, None, None, BackendKind.deepspeed, kv_cache_dtype="fp8")
+    with pytest.raises(typer.BadParameter, match="kv_cache_dtype"):  # the engine's config names what it takes
+        build_settings(None, None, kv_cache_dtype="int4")
 
 
 def test_engine_options_are_refused_where_no_native_deployment_would_use_them(tmp_path):
