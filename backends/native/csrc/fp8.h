@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "vector_math.h"
+
 /* How a KV cache stores keys and values (the kernels' `kv_format`): as the activations (fp32 or bf16), or fp8. */
 enum kv_format { KV_AS_ACTIVATIONS = 0, KV_FP8_E4M3 = 1, KV_FP8_E5M2 = 2 };
 
@@ -91,23 +94,13 @@ static inline __attribute__((always_inline)) void widen_fp8_as(const uint8_t *sr
         const __m512i h = load_fp8x32(src + i, format);
         if (to_bf16) {
             _mm512_storeu_si512((uint16_t *)dst + i, h);
-        } else { /* a bf16 is the top half of its fp32 */
-            _mm512_storeu_si512((float *)dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-            _mm512_storeu_si512((float *)dst + i + 16,
-                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+        } else {
+            _mm512_storeu_ps((float *)dst + i, bf16x16_to_f32(_mm512_castsi512_si256(h)));
+            _mm512_storeu_ps((float *)dst + i + 16, bf16x16_to_f32(_mm512_extracti64x4_epi64(h, 1)));
         }
     }
 #endif
-    for (; i < n; i++) {
-        const float x = fp8_to_f32(src[i], format);
-        if (to_bf16) {
-            uint32_t bits;
-            memcpy(&bits, &x, sizeof bits);
-            ((uint16_t *)dst)[i] = (uint16_t)(bits >> 16);
-        } else {
-            ((float *)dst)[i] = x;
-        }
-    }
+    for (; i < n; i++) store(dst, i, fp8_to_f32(src[i], format), to_bf16); /* exact in bf16: no rounding */
 }
 
 /* n fp8 values from src widened into dst as fp32, or as bf16 if to_bf16 (exact: their mantissas fit in 7 bits). */

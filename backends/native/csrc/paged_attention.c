@@ -398,7 +398,8 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                                    block_size * d * kv_size);
                 const void *kb = (const char *)k_cache + base * kv_size, *vb = (const char *)v_cache + base * kv_size;
                 if (kv_format != KV_AS_ACTIVATIONS) {
-                    widen_fp8(kb, kbuf, n * d, kv_format, kv_bf16); /* kv_bf16 only on the tiles: never again */
+                    /* to bf16 only for the tile path, which ends the iteration before the bf16 widening below */
+                    widen_fp8(kb, kbuf, n * d, kv_format, kv_bf16);
                     widen_fp8(vb, vbuf, n * d, kv_format, kv_bf16);
                     kb = kbuf, vb = vbuf;
                 }
