@@ -1,6 +1,6 @@
 /* The kernels step_layers.c runs in sequence (defined in layer_ops.c, tile_linear.c, strip_linear.c,
- * paged_attention.c and prefill_attention_amx.c, where their contracts are written down). `kv_format` is how
- * the KV cache stores keys and values: fp8.h's enum kv_format. */
+ * paged_attention.c, decode_attention_amx.c and prefill_attention_amx.c, where their contracts are written
+ * down). `kv_format` is how the KV cache stores keys and values: fp8.h's enum kv_format. */
 #pragma once
 
 #include <stdint.h>
@@ -27,6 +27,11 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens, void *out,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                            int64_t block_size, int64_t head_dim, float scale, int is_bf16, int kv_format);
+int paged_decode_attention_amx(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                               const int64_t *block_tables, int64_t table_stride, const int64_t *context_lens,
+                               void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t num_blocks, int64_t block_size, int64_t head_dim, float scale, int is_bf16,
+                               int kv_format);
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, int64_t table_stride, const int64_t *query_starts,
                             const int64_t *query_lens, const int64_t *context_lens, void *out, int64_t num_seqs,

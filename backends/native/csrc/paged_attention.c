@@ -7,8 +7,8 @@
  * softmax). With AVX-512 (head sizes a multiple of 32) keys come 16 at a time, read in place: their 16
  * scores land in one vector (per-key partial sums, then one transposing reduction), bf16 keys multiply in
  * pairs without widening where the CPU has AVX512-BF16, the softmax update runs on the vector, and each
- * value row is loaded once for the whole group. Where the CPU has AMX tiles (and the build knows them),
- * bf16 caches go through two tile products per 16 keys instead (attend_block_amx).
+ * value row is loaded once for the whole group. Where the CPU has AMX tiles (and the build knows them), bf16
+ * queries take decode_attention_amx.c instead.
  * Prefill (causal, after an optional cached prefix): one task per (sequence, KV head, tile of up to 4 vectors
  * of query rows: 64 with AVX-512), holding its queries, scores and outputs with the rows as vector lanes;
  * keys and values are read as rows, 32 keys per slice, each element broadcast against the rows (register
@@ -19,7 +19,7 @@
  * thread takes a run of them of about equal cost (prefill_share).
  * Sums are fp32; bf16 storage is widened block by block in decode (or multiplied in pairs, above), slice by
  * slice in prefill. fp8 caches (kv_format, fp8.h) hold half a bf16 cache's bytes; each block read is widened
- * first (in decode to bf16 for the tiles, else fp32) and then attended as a block of that type.
+ * to fp32 first and then attended as an fp32 block.
  * Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
  */
@@ -29,7 +29,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "amx.h"
 #include "bf16.h"
 #include "fp8.h"
 #include "kernels.h"
@@ -218,113 +217,6 @@ static inline __attribute__((always_inline)) void attend_block16(
 }
 #endif
 
-#if defined(HAVE_AMX_BF16)
-/* Decode on the AMX tiles (bf16 caches, blocks a multiple of 16 keys): per 16 keys, the scores of every
- * head of the group come from one tile product (the keys as they lie in the cache times the group's
- * queries), and the weighted values from another (the group's probabilities, rounded to bf16 as GPU
- * flash attention does, times the values interleaved in key pairs). The vector path spends most of its
- * time on the reductions and FMAs these replace. */
-#define DECODE_AMX 1
-
-/* The tiles and what they hold (literal numbers: the tile intrinsics paste them into register names). */
-#define T_SCORES 0
-#define T_KEYS 1
-#define T_QUERIES 2
-#define T_PROBS 3
-#define T_VALUES 4
-#define T_OUT0 5
-#define T_OUT1 6
-
-/* This thread's tile shapes for a group of `group` query heads (tile state is per thread). */
-static void amx_configure(int64_t group) {
-    struct tile_config c = {0};
-    c.palette = 1;
-    c.rows[T_SCORES] = 16, c.colsb[T_SCORES] = group * 4;  /* 16 keys x group scores, fp32 */
-    c.rows[T_KEYS] = 16, c.colsb[T_KEYS] = 64;             /* 16 keys x 32 dims, bf16 */
-    c.rows[T_QUERIES] = 16, c.colsb[T_QUERIES] = group * 4; /* 16 dim pairs x group queries, bf16 pairs */
-    c.rows[T_PROBS] = group, c.colsb[T_PROBS] = 32;        /* group x 16 probabilities, bf16 */
-    c.rows[T_VALUES] = 8, c.colsb[T_VALUES] = 64;          /* 8 key pairs x 16 dims, bf16 pairs */
-    c.rows[T_OUT0] = c.rows[T_OUT1] = group, c.colsb[T_OUT0] = c.colsb[T_OUT1] = 64; /* group x 16 dims, fp32 */
-    load_tile_config(&c);
-}
-
-/* The group's bf16 queries as the B operand of q . k: row r of dims chunk c holds, per head, dims
- * 32c + 2r and 32c + 2r + 1 (one 32-bit pair). */
-static void amx_queries(const uint16_t *qh, int64_t group, int64_t d, uint32_t qb[][16][16]) {
-    for (int64_t c = 0; c < d / 32; c++)
-        for (int64_t r = 0; r < 16; r++)
-            for (int64_t g = 0; g < group; g++) memcpy(&qb[c][r][g], qh + g * d + 32 * c + 2 * r, 4);
-}
-
-/* Fold the block's first n <= 16 keys (rows of d bf16, d a multiple of 32; the block holds 16 rows) into
- * the running softmax state of the group's heads. */
-static inline __attribute__((always_inline)) void attend_block_amx(
-        const uint16_t *k, const uint16_t *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
-        uint32_t qb[][16][16], float acc[][MAX_HEAD_DIM], float *m, float *l) {
-    float sbuf[16][16], obuf[2][16][16];
-    uint16_t pb[16][16], vb[MAX_HEAD_DIM / 16][8][32];
-    _tile_zero(T_SCORES);
-    for (int64_t c = 0; c < d / 32; c++) {
-        _tile_loadd(T_KEYS, k + 32 * c, d * 2);
-        _tile_loadd(T_QUERIES, qb[c], 64);
-        _tile_dpbf16ps(T_SCORES, T_KEYS, T_QUERIES);
-    }
-    _tile_stored(T_SCORES, sbuf, 64);
-    /* Values in key pairs (keys past n as zeros): row r of dims chunk j interleaves keys 2r and 2r + 1. */
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int64_t r = 0; r < 8; r++) {
-        const __mmask32 even = 2 * r < n ? ~(__mmask32)0 : 0, odd = 2 * r + 1 < n ? ~(__mmask32)0 : 0;
-        for (int64_t c = 0; c < d; c += 32) {
-            const __m512i a = _mm512_maskz_loadu_epi16(even, v + 2 * r * d + c);
-            const __m512i b = _mm512_maskz_loadu_epi16(odd, v + (2 * r + 1) * d + c);
-            _mm512_storeu_si512(vb[c / 16][r], _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_storeu_si512(vb[c / 16 + 1][r], _mm512_permutex2var_epi16(a, hi, b));
-        }
-    }
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
-    const __mmask16 valid = (__mmask16)((1u << n) - 1);
-    float alpha[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        __m512 sv = _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), &sbuf[0][0], 4),
-                                  _mm512_set1_ps(scale));
-        sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-FLT_MAX), sv);
-        const float top = _mm512_reduce_max_ps(sv);
-        const float m_new = first ? top : fmaxf(m[g], top);
-        alpha[g] = first ? 0.0f : m_new == m[g] ? 1.0f : expf(m[g] - m_new); /* most blocks raise no maximum */
-        float p[16];
-        _mm512_storeu_ps(p, _mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
-        #pragma omp simd
-        for (int64_t t = 0; t < 16; t++) p[t] = expf(p[t]); /* 0 past n */
-        const __m512 pv = _mm512_loadu_ps(p);
-        l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(pv);
-        m[g] = m_new;
-        _mm256_storeu_si256((__m256i *)pb[g], (__m256i)_mm512_cvtneps_pbh(pv));
-    }
-    _tile_loadd(T_PROBS, pb, 32);
-    for (int64_t j = 0; j < d / 16; j++) { /* two output tiles in turn: one is stored while the other fills */
-        if (j % 2 == 0) {
-            _tile_zero(T_OUT0);
-            _tile_loadd(T_VALUES, vb[j], 64);
-            _tile_dpbf16ps(T_OUT0, T_PROBS, T_VALUES);
-            _tile_stored(T_OUT0, obuf[0], 64);
-        } else {
-            _tile_zero(T_OUT1);
-            _tile_loadd(T_VALUES, vb[j], 64);
-            _tile_dpbf16ps(T_OUT1, T_PROBS, T_VALUES);
-            _tile_stored(T_OUT1, obuf[1], 64);
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *a = acc[g] + 16 * j;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), _mm512_set1_ps(alpha[g]),
-                                                _mm512_loadu_ps(obuf[j % 2][g])));
-        }
-    }
-}
-#endif
-
 /* Ask for the keys and values of cache row `row` (KV head x num_blocks + block) ahead of use. Blocks are scattered over the cache, so the
  * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
  * decode reads the whole KV cache once per step from memory and waited on it. Decode asks
@@ -355,22 +247,15 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
                            int64_t block_size, int64_t head_dim, float scale, int is_bf16, int kv_format) {
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+    if (paged_decode_attention_amx(q, q_stride, k_cache, v_cache, block_tables, table_stride, context_lens, out,
+                                   num_seqs, num_heads, num_kv_heads, num_blocks, block_size, head_dim, scale, is_bf16,
+                                   kv_format) == 0)
+        return 0;
     const int64_t group = num_heads / num_kv_heads, d = head_dim, size = is_bf16 ? 2 : 4;
     const int64_t kv_size = kv_format == KV_AS_ACTIVATIONS ? size : 1;
-#if defined(DECODE_AMX)
-    const int amx = is_bf16 && d % 32 == 0 && block_size % 16 == 0 && amx_permitted();
-#else
-    const int amx = 0;
-#endif
-    /* fp8 blocks are widened as they are read, to bf16 for the tile products, else to fp32: after that, the
-     * block is a cache block of that type in L1 (kv_bf16: whether the block read is bf16) */
-    const int kv_bf16 = kv_format == KV_AS_ACTIVATIONS ? is_bf16 : amx;
-    #pragma omp parallel
-    {
-#if defined(DECODE_AMX)
-    if (amx) amx_configure(group);
-#endif
-    #pragma omp for collapse(2) schedule(dynamic, 1)
+    /* fp8 blocks are widened to fp32 as they are read: after that, the block is an fp32 cache block in L1 */
+    const int kv_bf16 = kv_format == KV_AS_ACTIVATIONS && is_bf16; /* whether the block read is bf16 */
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
             float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
@@ -385,10 +270,6 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
                 l[g] = 0.0f;
             }
-#if defined(DECODE_AMX)
-            uint32_t qb[MAX_HEAD_DIM / 32][16][16];
-            if (amx) amx_queries((const uint16_t *)q + q0, group, d, qb);
-#endif
             const int64_t ctx = context_lens[s];
             for (int64_t start = 0; start < ctx; start += block_size) {
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;
@@ -398,19 +279,10 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                                    block_size * d * kv_size);
                 const void *kb = (const char *)k_cache + base * kv_size, *vb = (const char *)v_cache + base * kv_size;
                 if (kv_format != KV_AS_ACTIVATIONS) {
-                    /* to bf16 only for the tile path, which ends the iteration before the bf16 widening below */
-                    widen_fp8(kb, kbuf, n * d, kv_format, kv_bf16);
-                    widen_fp8(vb, vbuf, n * d, kv_format, kv_bf16);
+                    widen_fp8(kb, kbuf, n * d, kv_format, 0);
+                    widen_fp8(vb, vbuf, n * d, kv_format, 0);
                     kb = kbuf, vb = vbuf;
                 }
-#if defined(DECODE_AMX)
-                if (amx) { /* 16 keys per pair of tile products */
-                    for (int64_t t = 0; t < n; t += 16)
-                        attend_block_amx((const uint16_t *)kb + t * d, (const uint16_t *)vb + t * d, n - t < 16 ? n - t : 16,
-                                         d, group, start + t == 0, scale, qb, acc, m, l);
-                    continue;
-                }
-#endif
 #if defined(__AVX512F__)
                 if (d % 32 == 0) { /* in place, 16 keys per vector of scores */
                     const uint16_t *qh = kv_bf16 ? (const uint16_t *)q + q0 : NULL;
@@ -441,10 +313,6 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                 }
             }
         }
-    }
-#if defined(DECODE_AMX)
-    if (amx) _tile_release(); /* leave no tile state for the thread's next user to save and restore */
-#endif
     }
     return 0;
 }

@@ -133,6 +133,27 @@ def test_scores_hundreds_apart_give_the_softmax_answer(make_backend, dtype, hq, 
     torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("make_backend", [TorchAttention, *CPU_ONLY], ids=["torch", "c-cpu", "c-cpu-vector-prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv, d", [(4, 4, 32), (9, 3, 64), (8, 2, 128)])
+def test_a_late_key_scoring_hundreds_above_the_rest_takes_the_attention(make_backend, dtype, hq, hkv, d):
+    # The tile decode kernel keeps a head's running maximum from its first keys until a later step's
+    # probabilities could pass e^8: a key 200 above every earlier one, near the end of a 301-token context, must
+    # raise it (e^200 overflows fp32) and leave the head attending to that key alone
+    (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, dtype, torch.device("cpu"))
+    scale, position = d ** -0.5, 290  # in the first sequence, a decode at position 300
+    block, offset = batch.block_tables[0][position // BLOCK_SIZE], position % BLOCK_SIZE
+    for h in range(hkv):  # the key of each KV head scores 200 against the group's first query head
+        head = q[0, h * (hq // hkv)].float()
+        k_cache[h, block, offset] = (head * (200 / scale / head.dot(head))).to(dtype)
+    backend = make_backend(BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build(batch), scale)
+    expected = reference(q, k_cache, v_cache, batch, scale)
+    torch.testing.assert_close(expected[0, 0], v_cache[0, block, offset].double())  # the premise
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("make_backend", [CpuAttention, c_with_vector_prefill, pytest.param(
     triton_backend, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton runs on a GPU"))],
     ids=["c-cpu", "c-cpu-vector-prefill", "triton"])
