@@ -3,7 +3,8 @@
 One decode step's attention over every layer of the embedded SmolLM2's layout (9 query heads, 3 KV heads,
 head size 64): ``--batch`` sequences at context ``--context``, their 16-token blocks scattered over each
 layer's cache (a fresh cache per layer, so nothing stays in the CPU's caches between layers), through
-each attention backend's own ``build`` and ``forward``. Printed per dtype: milliseconds for all layers
+each attention backend's own ``build`` and ``forward``. Caches in bf16, in fp8 (e4m3 with bf16 queries, what
+``kv_cache_dtype: fp8`` stores) and in fp32. Printed per cache: milliseconds for all layers
 (fastest of ``--repeats``), the KV bytes read per second, and the C kernel's speed-up over the torch path
 (which gathers each sequence's blocks into a contiguous copy before its matmuls).
 
@@ -28,6 +29,7 @@ from backends.native.attention.torch_attention import TorchAttention  # noqa: E4
 from backends.native.batch import Batch  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CACHES = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32))
 
 
 def decode_batch(batch: int, context: int, num_blocks: int) -> Batch:
@@ -54,21 +56,21 @@ def main() -> None:
     num_blocks = args.batch * -(-args.context // BLOCK)
     batch = decode_batch(args.batch, args.context, num_blocks)
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        caches = [tuple(torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM).to(dtype) for _ in range(2))
+    for dtype, cache_dtype in CACHES:
+        caches = [tuple(torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM).to(cache_dtype) for _ in range(2))
                   for _ in range(args.layers)]
         q = torch.randn(args.batch, HEADS, HEAD_DIM).to(dtype)
         k = v = torch.randn(args.batch, KV_HEADS, HEAD_DIM).to(dtype)  # stored already: not read by forward
         kv_bytes = sum(c.numel() * c.element_size() for pair in caches for c in pair)
-        row = {"dtype": str(dtype), "kv_bytes": kv_bytes}
+        row = {"dtype": str(dtype), "kv_cache_dtype": str(cache_dtype), "kv_bytes": kv_bytes}
         for name, backend in (("c", CpuAttention(BLOCK, num_blocks, torch.device("cpu"))),
                               ("torch", TorchAttention(BLOCK, num_blocks, torch.device("cpu")))):
             seconds = min(timings(step_attention(backend, backend.build(batch), q, k, v, caches), args.repeats))
             row[f"{name}_s"] = seconds
-            print(f"{str(dtype):15s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
+            print(f"{str(cache_dtype):19s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
                   f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV")
         row["c_speedup"] = row["torch_s"] / row["c_s"]
-        print(f"{str(dtype):15s} C kernel {row['c_speedup']:.2f}x the torch path")
+        print(f"{str(cache_dtype):19s} C kernel {row['c_speedup']:.2f}x the torch path")
         rows.append(row)
     if args.save:
         args.save.write_text(json.dumps({**run_record(), "batch": args.batch, "context": args.context,

@@ -1,9 +1,10 @@
-"""Paged attention for CPUs: the C kernels of csrc/paged_attention.c and csrc/prefill_attention_amx.c (built by
-cpu_kernels.py).
+"""Paged attention for CPUs: the C kernels of csrc/paged_attention.c, csrc/decode_attention_amx.c and
+csrc/prefill_attention_amx.c (built by cpu_kernels.py).
 
 Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguous copy before two
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
-(5-8x faster per layer here). Prefill: a tiled causal kernel over the same cache, for chunks with or
+(5-8x faster per layer here); in bf16 on a CPU with AMX tiles, paged_decode_attention hands decodes to the tile
+kernel of csrc/decode_attention_amx.c (bf16 and fp8 caches). Prefill: a tiled causal kernel over the same cache, for chunks with or
 without a cached prefix, a tile of query rows (64 with AVX-512) as vector lanes against keys and values read
 in place: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys (fp32,
 4 x 512 tokens of SmolLM2's layout on an AVX-512 Xeon: 5.6-5.7 ms per layer, SDPA 9.2, this kernel's previous
