@@ -161,10 +161,11 @@ def test_a_late_key_scoring_hundreds_above_the_rest_takes_the_attention(make_bac
 @pytest.mark.parametrize("block_size", [16, 24, 64])
 def test_bf16_caches_give_bf16_answers_within_rounding(make_backend, hq, hkv, d, block_size):
     # On a CPU with AMX tiles the C decode kernel multiplies bf16 caches on the tiles where blocks hold a
-    # multiple of 16 keys (16, 64: groups of 1 to 5 query heads, last steps of 1, 5, 13 and 17 of their 32 keys,
-    # the output in tiles at head sizes 32 and 64 and in memory at 128) and on vectors otherwise (24), and prefill chunks run on the tiles (16 query rows, tokens x heads, per tile: a group of 3
-    # splits a token's heads between tiles; with and without cached prefixes, any block size) unless the vector
-    # kernel is asked for; elsewhere on vectors
+    # multiple of 16 keys (16, 64: groups of 1 to 5 query heads, last steps of 1, 5, 13 and 17 of their 32
+    # keys, the output in tiles at head sizes 32 and 64 and in memory at 128) and on vectors otherwise (24),
+    # and prefill chunks run on the tiles (16 query rows, tokens x heads, per tile: a group of 3 splits a
+    # token's heads between tiles; with and without cached prefixes, any block size) unless the vector kernel
+    # is asked for; elsewhere on vectors
     device = DEVICE if make_backend not in CPU_ONLY else torch.device("cpu")
     (q, k, v, k_cache, v_cache), batch = make_step(hq, hkv, d, torch.bfloat16, device, block_size)
     backend = make_backend(block_size, k_cache.shape[1] - 1, device)
