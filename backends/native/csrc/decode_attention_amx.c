@@ -6,12 +6,15 @@
  * dimension pairs (B), 16 keys x group scores. Each head's softmax runs on its 32 scores as two vectors; the
  * probabilities, rounded to bf16 as GPU flash attention does, are the A operand of the output's products, and the
  * values, interleaved in key pairs as they are read, the B operand: group x 16 dims per product, into the output,
- * which stays in tiles across steps at head sizes up to 64 (DECODE_RESIDENT_DIM). As in the prefill kernel, a head's
- * running maximum is its first step's and is raised only when a step's probabilities may pass e^DECODE_SLACK (their
+ * which stays in tiles across steps at head sizes up to 64 (RESIDENT_DIM). As in the prefill kernel, a head's
+ * running maximum is its first step's and is raised only when a step's probabilities may pass e^SLACK (their
  * sum does); only then does the output leave the tiles, to be rescaled. fp8 keys are widened to bf16 rows for the
  * tile loads; fp8 values are widened as they are interleaved.
  * A decode step reads the whole KV cache once, from memory: each task asks for the next step's keys and values while
- * it works on this one, a few lines between the rows of the value interleave (see prefetch_slice).
+ * it works on this one, 2 lines of each between the rows of the value interleave (prefetch.h; this kernel, the
+ * benchmark below: bf16 54.4-57.4 ms and fp8 47.3-48.7 asking for them at once, 16 keys ahead, against 48.6-49.5
+ * and 38.2-39.1 in slices, 32 keys ahead; slices 16 ahead, 3-10% slower; 48 ahead, or 4 lines a row, level; no
+ * requests, 1.2x and 2.2x the time).
  * 64 sequences x 512 keys of SmolLM2's layout on 30 layers, scattered 16-key blocks (benchmarks/decode_attention.py's
  * shape, Xeon, 2 cores, 3 interleaved rounds): bf16 52.7-53.0 ms, fp8 (e4m3) 36.3-38.9, against 60.1-63.1 and
  * 52.6-54.4 for the kernel before, which took 16 keys at a time, stored its output and rescaled it in memory after
@@ -28,6 +31,7 @@
 #include "amx.h"
 #include "fp8.h"
 #include "kernels.h"
+#include "prefetch.h"
 #include "vector_math.h"
 
 #define MAX_GROUP 16
@@ -70,26 +74,6 @@ static inline __m512 exp2_up_to_slack(__m512 t) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69511634f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, t); /* p * 2^floor(t) */
-}
-
-/* The lines of 16 keys and their values still to ask for, a slice at a time. Blocks are scattered over the
- * cache, so the hardware prefetcher, which follows one address stream, has barely started by the end of one.
- * A request occupies one of the core's few line-fill buffers until memory answers; asked for all at once, the
- * requests past those buffers stall the instructions behind them, and a step's arithmetic waited on the next
- * step's memory (this kernel, the benchmark above: bf16 54.4-57.4 ms and fp8 47.3-48.7 asking at once, 16 keys
- * ahead, against 48.6-49.5 and 38.2-39.1 in slices of 2 lines a row, 32 keys ahead; slices 16 ahead, 3-10% slower;
- * 48 ahead, or 4 lines a row, level; no requests, 1.2x and 2.2x the time). */
-struct prefetch {
-    const char *k, *v;
-    int64_t at, bytes;
-};
-
-static inline void prefetch_slice(struct prefetch *p, int64_t lines) {
-    if (!p->k) return;
-    for (; lines > 0 && p->at < p->bytes; lines--, p->at += 64) {
-        __builtin_prefetch(p->k + p->at);
-        __builtin_prefetch(p->v + p->at);
-    }
 }
 
 /* The 32 values of one key row at `at` (elements) from a bf16 or fp8 (format) cache as bf16; zeros if !present. */
@@ -155,12 +139,12 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int64_t half = 0; half * 16 < n; half++) { /* 16 keys of one block */
             const int64_t key = t0 + 16 * half, nk = n - 16 * half < 16 ? n - 16 * half : 16;
             const int64_t at = ((head * num_blocks + table[key / block_size]) * block_size + key % block_size) * d;
-            struct prefetch next = {0};
+            struct prefetch next = {0}; /* these 16 keys' counterparts in the next step */
             if (key + STEP < ctx) {
                 const int64_t ahead = key + STEP;
-                const int64_t row = ((head * num_blocks + table[ahead / block_size]) * block_size + ahead % block_size);
-                next = (struct prefetch){(const char *)k_cache + row * d * size, (const char *)v_cache + row * d * size,
-                                         0, 16 * d * size};
+                const int64_t row = (head * num_blocks + table[ahead / block_size]) * block_size + ahead % block_size;
+                next = prefetch_lines((const char *)k_cache + row * d * size, (const char *)v_cache + row * d * size,
+                                      16 * d * size);
             }
             const uint16_t *k = (const uint16_t *)k_cache + at;
             if (format != KV_AS_ACTIVATIONS) {
@@ -176,7 +160,7 @@ static inline __attribute__((always_inline)) void attend_task(
             }
             _tile_stored(T_S, s[16 * half], 64);
             interleave_values((const char *)v_cache + at * size, nk, d, format, half, vb, &next);
-            prefetch_slice(&next, 16 * d * size / 64);
+            prefetch_rest(&next);
         }
         if (n <= 16) /* no second half: its values are zeros */
             for (int64_t j = 0; j < nt; j++) memset(vb[j][8], 0, sizeof vb[j][8] * 8);

@@ -32,6 +32,7 @@
 #include "bf16.h"
 #include "fp8.h"
 #include "kernels.h"
+#include "prefetch.h"
 #include "prefill_tasks.h"
 #include "vector_math.h"
 
@@ -185,8 +186,9 @@ static inline __attribute__((always_inline)) void fold_heads(const void *v, int6
 static inline __attribute__((always_inline)) void attend_block16(
         const void *k, const void *v, int64_t n, const int64_t d, int64_t group, int first, float scale,
         float qf[][MAX_HEAD_DIM], const uint16_t *qh, float acc[][MAX_HEAD_DIM], float *m, float *l,
-        const int bf16) {
+        const int bf16, struct prefetch *next) {
     float p[MAX_GROUP][DECODE_KEYS], alpha[MAX_GROUP];
+    const int64_t heads = group * ((n + DECODE_KEYS - 1) / DECODE_KEYS), per_head = (next->bytes / 64 + heads - 1) / heads;
     const int64_t size = bf16 ? 2 : 4;
     for (int64_t t0 = 0; t0 < n; t0 += DECODE_KEYS) {
         const int64_t nt = n - t0 < DECODE_KEYS ? n - t0 : DECODE_KEYS;
@@ -204,6 +206,7 @@ static inline __attribute__((always_inline)) void attend_block16(
             for (int64_t t = 0; t < DECODE_KEYS; t++) p[g][t] = expf(p[g][t]); /* 0 past nt */
             l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(_mm512_loadu_ps(p[g]));
             m[g] = m_new;
+            prefetch_slice(next, per_head); /* the next block's lines, spread over the heads' scores */
         }
         for (int64_t g = 0; g < group; g += 4) { /* constant head counts: accumulators in registers */
             switch (group - g < 4 ? group - g : 4) {
@@ -216,20 +219,6 @@ static inline __attribute__((always_inline)) void attend_block16(
     }
 }
 #endif
-
-/* Ask for the keys and values of cache row `row` (KV head x num_blocks + block) ahead of use. Blocks are scattered over the cache, so the
- * hardware prefetcher, which follows one address stream, has barely started by the end of a block;
- * decode reads the whole KV cache once per step from memory and waited on it. Decode asks
- * PREFETCH_AHEAD blocks ahead: two, three or four blocks ahead were 2-10% slower (64 x 512 keys, bf16 and
- * fp32), as were the same requests spread over the block's arithmetic, or made for a task's first blocks. */
-#define PREFETCH_AHEAD 1
-static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t row, int64_t bytes) {
-    const char *k = (const char *)k_cache + row * bytes, *v = (const char *)v_cache + row * bytes;
-    for (int64_t at = 0; at < bytes; at += 64) {
-        __builtin_prefetch(k + at);
-        __builtin_prefetch(v + at);
-    }
-}
 
 /* Whether the kernel handles this layout (fixed-size per-task buffers bound it). */
 int paged_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
@@ -274,9 +263,11 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
             for (int64_t start = 0; start < ctx; start += block_size) {
                 const int64_t n = ctx - start < block_size ? ctx - start : block_size;
                 const int64_t base = (h * num_blocks + table[start / block_size]) * block_size * d;
-                if (start + PREFETCH_AHEAD * block_size < ctx)
-                    prefetch_block(k_cache, v_cache, h * num_blocks + table[start / block_size + PREFETCH_AHEAD],
-                                   block_size * d * kv_size);
+                struct prefetch next = {0}; /* the next block */
+                if (start + block_size < ctx) {
+                    const int64_t row = (h * num_blocks + table[start / block_size + 1]) * block_size * d * kv_size;
+                    next = prefetch_lines((const char *)k_cache + row, (const char *)v_cache + row, block_size * d * kv_size);
+                }
                 const void *kb = (const char *)k_cache + base * kv_size, *vb = (const char *)v_cache + base * kv_size;
                 if (kv_format != KV_AS_ACTIVATIONS) {
                     widen_fp8(kb, kbuf, n * d, kv_format, 0);
@@ -286,13 +277,14 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 #if defined(__AVX512F__)
                 if (d % 32 == 0) { /* in place, 16 keys per vector of scores */
                     const uint16_t *qh = kv_bf16 ? (const uint16_t *)q + q0 : NULL;
-                    if (d == 64 && kv_bf16) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 1);
-                    else if (d == 64) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 0);
-                    else if (kv_bf16) attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 1);
-                    else attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 0);
+                    if (d == 64 && kv_bf16) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 1, &next);
+                    else if (d == 64) attend_block16(kb, vb, n, 64, group, start == 0, scale, qf, qh, acc, m, l, 0, &next);
+                    else if (kv_bf16) attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 1, &next);
+                    else attend_block16(kb, vb, n, d, group, start == 0, scale, qf, qh, acc, m, l, 0, &next);
                     continue;
                 }
 #endif
+                prefetch_rest(&next);
                 const float *k = kb, *v = vb;
                 if (kv_bf16) {
                     widen(kb, kbuf, n * d);
