@@ -65,17 +65,6 @@ static void configure(int64_t group) {
     load_tile_config(&c);
 }
 
-/* 2^t for t <= SLACK log2 e (the prefill kernel's exp2_up_to_slack: ~8.6e-5 relative, below the probabilities'
- * bf16 rounding; 0 far below, under the flush-to-zero set around the tasks). */
-static inline __m512 exp2_up_to_slack(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* t - floor(t), in [0, 1) */
-    __m512 p = _mm512_set1_ps(0.0770652f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.227647f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69511634f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, t); /* p * 2^floor(t) */
-}
-
 /* The 32 values of one key row at `at` (elements) from a bf16 or fp8 (format) cache as bf16; zeros if !present. */
 static inline __attribute__((always_inline)) __m512i value_row(const void *v, int64_t at, int present, const int format) {
     if (!present) return _mm512_setzero_si512();
@@ -188,8 +177,8 @@ static inline __attribute__((always_inline)) void attend_task(
                     }
                 }
                 const __m512 mg = _mm512_set1_ps(m[g]);
-                const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp2_up_to_slack(_mm512_sub_ps(x0, mg)));
-                const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp2_up_to_slack(_mm512_sub_ps(x1, mg)));
+                const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp2_probability(_mm512_sub_ps(x0, mg)));
+                const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp2_probability(_mm512_sub_ps(x1, mg)));
                 const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
                 if (!pass && sum > SLACK_SUM) continue;
                 l[g] += sum;

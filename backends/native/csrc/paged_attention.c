@@ -188,7 +188,8 @@ static inline __attribute__((always_inline)) void attend_block16(
         float qf[][MAX_HEAD_DIM], const uint16_t *qh, float acc[][MAX_HEAD_DIM], float *m, float *l,
         const int bf16, struct prefetch *next) {
     float p[MAX_GROUP][DECODE_KEYS], alpha[MAX_GROUP];
-    const int64_t heads = group * ((n + DECODE_KEYS - 1) / DECODE_KEYS), per_head = (next->bytes / 64 + heads - 1) / heads;
+    const int64_t heads = group * ((n + DECODE_KEYS - 1) / DECODE_KEYS); /* score passes in this block */
+    const int64_t per_head = (next->bytes / 64 + heads - 1) / heads;    /* lines to ask for after each */
     const int64_t size = bf16 ? 2 : 4;
     for (int64_t t0 = 0; t0 < n; t0 += DECODE_KEYS) {
         const int64_t nt = n - t0 < DECODE_KEYS ? n - t0 : DECODE_KEYS;

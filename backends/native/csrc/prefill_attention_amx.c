@@ -75,25 +75,9 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
  * taken, every row raised to its own where that is higher, the output rescaled and the step exponentiated again.
  * So probabilities stay under e^8 (fine in bf16 and in fp32 sums), the maxima cost a pass only where they move,
  * and the output, rescaled only on a raise, stays in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens
- * against rescaling it in memory at every step; a maximum pass in every step, 3% more). */
-
-/* 2^t (a probability against a maximum raised lazily, above, in base 2): for t <= RESCALE_SLACK * log2 e to
- * ~8.6e-5 relative, below the bf16 rounding the probabilities get (4e-3) before they meet the values; past that it
- * only has to exceed e^RESCALE_SLACK, and past fp32's range scalef gives +inf. 2^floor(t) times a cubic of the
- * rest (fitted for relative error on [0, 1), its constant term 1 so that 2^0 is exactly 1: a rescale of a row
- * whose maximum stays put must be 1, or it compounds over a long prompt's steps). The rest is
- * one instruction (vreduceps), and scalef floors t itself. Far below the maximum the result underflows to 0
- * under the kernel's flush-to-zero (set around its tasks), not to a denormal. The degree-6 Taylor form took 7%
- * more of the kernel's time; libmvec's expf a third of it. */
+ * against rescaling it in memory at every step; a maximum pass in every step, 3% more). Probabilities are 2^t in base
+ * 2 (exp2_probability, vector_math.h). */
 #define RESCALE_SLACK 8.0f
-static inline __m512 exp2_up_to_slack(__m512 t) {
-    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); /* t - floor(t), in [0, 1) */
-    __m512 p = _mm512_set1_ps(0.0770652f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.227647f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69511634f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, t); /* p * 2^floor(t) */
-}
 
 static void configure(void) {
     struct tile_config c = {0};
@@ -219,7 +203,7 @@ static void gather(const void *k_cache, const void *v_cache, const int64_t *tabl
  * of the same step. (Issued as blocks, the next step's scores before the softmax and its P V after it, the tile
  * products overlapped the softmax far less: see the top of the file.) */
 static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64_t *pos, int64_t keys, const uint16_t *k,
-                        const uint32_t *vt, int64_t padded, int64_t d, float scale, uint16_t **out_rows) {
+                        const uint32_t *vt, int64_t d, float scale, uint16_t **out_rows) {
     uint32_t qt[MAX_DIM / 2][ROWS] __attribute__((aligned(64)));  /* dim pair p, row r */
     float o[MAX_DIM][ROWS] __attribute__((aligned(64)));           /* output, dim by row */
     float s[2][STEP][ROWS] __attribute__((aligned(64)));           /* scores of even and odd steps */
@@ -261,7 +245,7 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
                 for (int64_t t = 0; t < STEP; t++) top = _mm512_mask_max_ps(top, seen[t], top, _mm512_load_ps(sc[t]));
                 const __m512 m_new = _mm512_max_ps(m, top);
                 /* exactly 1 where m stays; 0 before the first key (the floor keeps -FLT_MAX * to_log2 finite) */
-                const __m512 alpha = exp2_up_to_slack(
+                const __m512 alpha = exp2_probability(
                     _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(m, m_new), to_log2), _mm512_set1_ps(-200.0f)));
                 l = _mm512_mul_ps(l, alpha);
                 m = m_new;
@@ -278,9 +262,9 @@ static void attend_tile(const uint16_t *const *q_rows, int64_t rows, const int64
             int64_t t = 0; /* the step's keys exponentiated so far */
             /* Keys [t, U) of the step: 2^((s - m) scale log2 e), 0 for keys a row does not see. */
 #define SOFTMAX_UPTO(U) for (const int64_t u = (U); t < u && t < STEP; t += 2) {                             \
-                const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_up_to_slack(                              \
+                const __m512 a = _mm512_maskz_mov_ps(seen[t], exp2_probability(                              \
                     _mm512_fmsub_ps(_mm512_load_ps(sc[t]), to_log2, m_log2)));                                  \
-                const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_up_to_slack(                          \
+                const __m512 b = _mm512_maskz_mov_ps(seen[t + 1], exp2_probability(                          \
                     _mm512_fmsub_ps(_mm512_load_ps(sc[t + 1]), to_log2, m_log2)));                              \
                 sum = _mm512_add_ps(sum, _mm512_add_ps(a, b));                                                \
                 _mm512_store_si512((__m512i *)pc[t / 2], interleave_halves(round_two_bf16(a, b)));            \
@@ -395,7 +379,7 @@ int paged_prefill_attention_amx(const void *q, int64_t q_stride, const void *k_c
                 pos[r] = prefix + row / group;
             }
             const int64_t visible = prefill_tile_keys(query_lens, context_lens, s, t.first_row, rows, group);
-            attend_tile(q_rows, rows, pos, visible, keys + 2 * at, values + at, padded, d, scale, out_rows);
+            attend_tile(q_rows, rows, pos, visible, keys + 2 * at, values + at, d, scale, out_rows);
         }
         _mm_setcsr(csr);
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */
