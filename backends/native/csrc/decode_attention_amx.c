@@ -39,7 +39,6 @@
 #define STEP 32        /* keys per step: two score products per 32 dims, one probability tile */
 #define RESIDENT_DIM 64 /* up to this head size, the output stays in the tiles across steps */
 #define SLACK 8.0f     /* see the file comment: probabilities stay under e^SLACK */
-#define SLACK_SUM 2980.958f /* e^SLACK */
 
 #if defined(HAVE_AMX_BF16) && defined(HAVE_FP8_VECTORS)
 #define DECODE_TILES 1
@@ -63,6 +62,11 @@ static void configure(int64_t group) {
     c.rows[T_P] = group, c.colsb[T_P] = 64;
     for (int t = T_O0; t <= T_O3; t++) c.rows[t] = group, c.colsb[t] = 64;
     load_tile_config(&c);
+}
+
+/* The cache row (KV head x block x slot) of the sequence's key `key`, through its block table. */
+static inline int64_t key_row(const int64_t *table, int64_t key, int64_t head, int64_t num_blocks, int64_t block_size) {
+    return (head * num_blocks + table[key / block_size]) * block_size + key % block_size;
 }
 
 /* The 32 values of one key row at `at` (elements) from a bf16 or fp8 (format) cache as bf16; zeros if !present. */
@@ -127,13 +131,11 @@ static inline __attribute__((always_inline)) void attend_task(
         const int64_t n = ctx - t0 < STEP ? ctx - t0 : STEP;
         for (int64_t half = 0; half * 16 < n; half++) { /* 16 keys of one block */
             const int64_t key = t0 + 16 * half, nk = n - 16 * half < 16 ? n - 16 * half : 16;
-            const int64_t at = ((head * num_blocks + table[key / block_size]) * block_size + key % block_size) * d;
+            const int64_t at = key_row(table, key, head, num_blocks, block_size) * d;
             struct prefetch next = {0}; /* these 16 keys' counterparts in the next step */
             if (key + STEP < ctx) {
-                const int64_t ahead = key + STEP;
-                const int64_t row = (head * num_blocks + table[ahead / block_size]) * block_size + ahead % block_size;
-                next = prefetch_lines((const char *)k_cache + row * d * size, (const char *)v_cache + row * d * size,
-                                      16 * d * size);
+                const int64_t ahead = key_row(table, key + STEP, head, num_blocks, block_size) * d * size;
+                next = prefetch_lines((const char *)k_cache + ahead, (const char *)v_cache + ahead, 16 * d * size);
             }
             const uint16_t *k = (const uint16_t *)k_cache + at;
             if (format != KV_AS_ACTIVATIONS) {
@@ -180,7 +182,7 @@ static inline __attribute__((always_inline)) void attend_task(
                 const __m512 p0 = _mm512_maskz_mov_ps(valid0, exp2_probability(_mm512_sub_ps(x0, mg)));
                 const __m512 p1 = _mm512_maskz_mov_ps(valid1, exp2_probability(_mm512_sub_ps(x1, mg)));
                 const float sum = _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-                if (!pass && sum > SLACK_SUM) continue;
+                if (!pass && sum > expf(SLACK)) continue; /* a constant: folded at compile time */
                 l[g] += sum;
                 _mm512_store_si512(pb[g], round_two_bf16(p0, p1));
                 break;
