@@ -74,9 +74,9 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
                    backend: BackendKind = BackendKind.native, **engine_options: str | int | None) -> Settings:
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
-    served. ``engine_options`` (``dtype``, ``device``,
-    ``tensor_parallel_size``, ``quantization``, ``kv_cache_dtype``: None when not given) apply to every in-process
-    deployment, and are refused where none would use them."""
+    served. ``engine_options`` (``dtype``, ``device``, ``tensor_parallel_size``, ``quantization``,
+    ``kv_cache_dtype``, ``block_size``: None when not given) apply to every in-process deployment, and are
+    refused where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
         raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
@@ -157,6 +157,9 @@ def serve(
     kv_cache_dtype: Annotated[KvCacheDtype | None, typer.Option(help="Native engine KV cache: auto (the model's "
                                                                 "dtype), or fp8 (e4m3) / fp8_e5m2, one byte per "
                                                                 "value (CPU), as vLLM's --kv-cache-dtype.")] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, max=64, metavar="TOKENS", help="Native engine tokens per "
+                                                   "KV block (default: 64 on CPU, 16 on CUDA), as vLLM's "
+                                                   "--block-size.")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
@@ -172,7 +175,7 @@ def serve(
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
                       "quantization": quantization.value if quantization else None,
-                      "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None}
+                      "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None, "block_size": block_size}
     try:
         settings = build_settings(config, model, served_model_name, backend, **engine_options)
     except ValueError as exc:  # an invalid config file or environment override

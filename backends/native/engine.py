@@ -63,7 +63,7 @@ class LLMEngine:
             self.runner = ParallelRunner(config, checkpoint, self.max_model_len)
         else:
             self.runner = ModelRunner(config, checkpoint, self.max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         eos = set(checkpoint.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -78,7 +78,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         log.info("native engine: %s on %s, %s (dtype %s), %d KV blocks of %d tokens (%d tokens, %s), max_model_len "
                  "%d, kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, config.dtype,
-                 self.blocks.num_blocks, config.block_size, self.blocks.num_blocks * config.block_size,
+                 self.blocks.num_blocks, self.blocks.block_size, self.blocks.num_blocks * self.blocks.block_size,
                  self.runner.kv_dtype,
                  self.max_model_len, self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
         if config.warmup:
@@ -255,6 +255,7 @@ class LLMEngine:
         return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
                 "num_threads": self.num_threads,
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
+                "block_size": self.blocks.block_size,
                 "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
                     self.model_config, self.blocks.block_size, runner.kv_dtype, self.config.tensor_parallel_size),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),

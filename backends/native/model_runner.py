@@ -79,7 +79,7 @@ class ModelRunner:
         if self.kv_dtype != self.dtype and self.device.type != "cpu":
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} runs on CPU only (the CUDA kernels read caches "
                              f"stored as the model's dtype); device is {self.device}")
-        self.block_size = config.block_size
+        self.block_size = config.kv_block_size(self.device)
         self.max_model_len = max_model_len
         self.model = self._load(config, checkpoint)
         # Every rank must hold the same number of blocks: the block manager on rank 0 hands them out.

@@ -44,10 +44,11 @@ def _engine(url: str) -> dict:
 
 def test_dtype_device_quantization_kv_cache_and_name_options_reach_the_running_engine():
     with serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16",
-               "--tensor-parallel-size", "1", "--quantization", "int8", "--kv-cache-dtype", "fp8") as url:
+               "--tensor-parallel-size", "1", "--quantization", "int8", "--kv-cache-dtype", "fp8",
+               "--block-size", "32") as url:
         name, engine = _engine(url)
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
-        assert engine["kv_cache_dtype"] == "float8_e4m3fn"
+        assert engine["kv_cache_dtype"] == "float8_e4m3fn" and engine["block_size"] == 32
         # int8 linear layers: SmolLM2's 135M parameters in under 1.5 bytes each (bf16 alone: 2), not counting
         # the second copy as AMX tiles that CPUs with them keep (linear.py)
         held_once = engine["weight_bytes"] - engine["small_step_copy_bytes"]

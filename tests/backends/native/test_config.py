@@ -1,5 +1,6 @@
-"""Engine settings: ``dtype: auto`` picks bf16 only where the CPU multiplies bf16 in hardware, devices are
-named and checked, and the start-up warm-up leaves nothing behind."""
+"""Engine settings: ``dtype: auto`` picks bf16 only where the CPU multiplies bf16 in hardware, KV blocks are
+longer on CPUs than on GPUs unless asked for, devices are named and checked, and the start-up warm-up leaves
+nothing behind."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def test_auto_dtype_is_bf16_only_with_native_bf16_on_the_cpu(tmp_path, monkeypat
     monkeypatch.setattr(engine_config, "CPUINFO", cpuinfo)
     assert EngineConfig(dtype="auto").torch_dtype(CPU) is expected
     assert EngineConfig(dtype="float32").torch_dtype(CPU) is torch.float32  # always one option away
+
+
+def test_kv_blocks_default_to_64_tokens_on_cpu_and_16_on_cuda_unless_given():
+    assert EngineConfig().kv_block_size(CPU) == 64  # vLLM's CPU backend: 128, our kernels' most is 64
+    assert EngineConfig().kv_block_size(torch.device("cuda", 0)) == 16  # vLLM's GPU default
+    assert EngineConfig(block_size=16).kv_block_size(CPU) == 16
+    assert EngineConfig(block_size=32).kv_block_size(torch.device("cuda", 0)) == 32
+    with pytest.raises(ValueError):
+        EngineConfig(block_size=128)
 
 
 def test_devices_are_checked_where_they_are_resolved():

@@ -56,8 +56,8 @@ def test_warm_steps_fault_in_no_fresh_memory():
     config = EngineConfig(dtype="float32", device="cpu", load_format="dummy", max_model_len=512, num_blocks=160)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     # steps of 1024 tokens (MiBs of activations per layer, freed as the step goes) and of 8, alternating
-    steps = [prefill_batch([list(range(100, 356))] * 4, config.block_size)[0],
-             prefill_batch([list(range(100, 108))] * 8, config.block_size)[0]]
+    steps = [prefill_batch([list(range(100, 356))] * 4, runner.block_size)[0],
+             prefill_batch([list(range(100, 108))] * 8, runner.block_size)[0]]
     for step in steps * 2:
         runner.execute(step)
     faults = [_faults(lambda: runner.execute(step)) for step in steps * 3]

@@ -67,7 +67,7 @@ def test_the_kv_capacity_predicted_is_what_the_engine_allocates(tmp_path):
             "head_dim": 32, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 49152}
     (tmp_path / "config.json").write_text(json.dumps(tiny))
     engine = LLMEngine(EngineConfig(model_path=str(tmp_path / "config.json"), load_format="dummy", dtype="float32",
-                                    kv_cache_gb=0.01, max_model_len=256))
+                                    kv_cache_gb=0.01, max_model_len=256, block_size=16))  # the planner's (CUDA's)
     predicted = kv_cache_blocks(ModelConfig.from_hf_dict(tiny), 16, torch.float32, int(0.01 * GIB))
     assert engine.blocks.num_blocks == predicted == int(0.01 * GIB) // (2 * 2 * 16 * 4 * 32 * 4)
 
