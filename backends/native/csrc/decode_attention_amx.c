@@ -19,7 +19,9 @@
  * shape, Xeon, 2 cores, 3 interleaved rounds): bf16 52.7-53.0 ms, fp8 (e4m3) 36.3-38.9, against 60.1-63.1 and
  * 52.6-54.4 for the kernel before, which took 16 keys at a time, stored its output and rescaled it in memory after
  * each, widened fp8 values to a buffer before interleaving them, and asked for a block's lines at once, one block
- * ahead. Of fp8's time, ~20 ms is the cache's bytes from memory and ~11 the widening.
+ * ahead. Of fp8's time, ~20 ms was the cache's bytes from memory and ~11 the widening, before the widening took
+ * 6 operations per 32 values instead of 9 (fp8.h; 33.4-33.9 -> 32.0-32.3 ms here, 25.8-26.9 -> 24.9-25.0 at
+ * 64-token blocks).
  * Built and loaded by cpu_kernels.py; paged_decode_attention (paged_attention.c) hands its bf16 work here.
  */
 
