@@ -117,6 +117,12 @@ def test_serve_options_reach_the_default_deployment():
         build_settings(None, None, None, BackendKind.deepspeed, kv_cache_dtype="fp8")
     with pytest.raises(typer.BadParameter, match="kv_cache_dtype"):  # the engine's config names what it takes
         build_settings(None, None, kv_cache_dtype="int4")
+    (route,) = build_settings(None, None, block_size=32).routes()
+    assert route.deployments[0].block_size == 32
+    with pytest.raises(typer.BadParameter, match="--block-size apply to the native engine only"):
+        build_settings(None, None, None, BackendKind.deepspeed, block_size=16)
+    refused = CliRunner().invoke(app, ["serve", "--block-size", "128"])  # past what the CPU kernels hold
+    assert refused.exit_code == 2 and "--block-size" in refused.output and "less than or equal to 64" in refused.output
 
 
 def test_engine_options_are_refused_where_no_native_deployment_would_use_them(tmp_path):
