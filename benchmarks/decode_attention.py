@@ -4,10 +4,10 @@ One decode step's attention over every layer of the embedded SmolLM2's layout (9
 head size 64): ``--batch`` sequences at context ``--context``, their blocks of ``--block-size`` tokens scattered
 over each layer's cache (a fresh cache per layer, so nothing stays in the CPU's caches between layers), through
 each attention backend's own ``build`` and ``forward``. The default, 16-token blocks, is the hardest case for
-the memory (the CPU engine's blocks hold 64 unless asked otherwise; the files of earlier runs took 16). Caches in bf16, in fp8 (e4m3 with bf16 queries, what
-``kv_cache_dtype: fp8`` stores) and in fp32. Printed per cache: milliseconds for all layers
-(fastest of ``--repeats``), the KV bytes read per second, and the C kernel's speed-up over the torch path
-(which gathers each sequence's blocks into a contiguous copy before its matmuls).
+the memory (the CPU engine's blocks hold 64 unless asked otherwise; the files of earlier runs took 16). Caches
+in bf16, in fp8 (e4m3 with bf16 queries, what ``kv_cache_dtype: fp8`` stores) and in fp32. Printed per cache:
+milliseconds for all layers (fastest of ``--repeats``), the KV bytes read per second, and the C kernel's speed-up
+over the torch path (which gathers each sequence's blocks into a contiguous copy before its matmuls).
 
     python benchmarks/decode_attention.py --save benchmarks/results/decode_attention_amx.json
     python benchmarks/decode_attention.py --block-size 16 --save benchmarks/results/decode_attention_block16_amx.json
