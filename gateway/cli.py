@@ -7,11 +7,12 @@ import logging
 import os
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal, get_args, get_origin
 
 import typer
 from pydantic import ValidationError
 
+from backends.native.config import EngineConfig
 from backends.native.gpus import GPUS
 from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
@@ -47,22 +48,16 @@ class LogLevel(str, Enum):
     debug = "debug"
 
 
-class Dtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
+def _engine_choices(name: str, field: str) -> type[Enum]:
+    """The choices of an engine option, as the engine's config declares them (its Literal): one list, not a copy."""
+    annotation = EngineConfig.model_fields[field].annotation
+    (literal,) = (a for a in (annotation, *get_args(annotation)) if get_origin(a) is Literal)
+    return Enum(name, {value: value for value in get_args(literal)}, type=str)
 
 
-class Quantization(str, Enum):
-    int8 = "int8"
-
-
-class KvCacheDtype(str, Enum):
-    auto = "auto"
-    fp8 = "fp8"
-    fp8_e4m3 = "fp8_e4m3"
-    fp8_e5m2 = "fp8_e5m2"
+Dtype = _engine_choices("Dtype", "dtype")
+Quantization = _engine_choices("Quantization", "quantization")
+KvCacheDtype = _engine_choices("KvCacheDtype", "kv_cache_dtype")
 
 
 class BackendKind(str, Enum):
