@@ -21,7 +21,9 @@ weight is not; larger steps multiply them in cache-sized blocks, faster than one
 shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (``tile_add``) in the rounding
 pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_only``,
 ``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
-otherwise it is a second copy for small steps.
+otherwise it is a second copy for small steps. CPUs with AVX512-BF16 but no tiles (AMD Zen 4) read the same
+layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul was 1.2-1.7x
+slower (benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
 fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
 strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
 memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
@@ -69,17 +71,27 @@ def layout_serves_all_rows(weight: torch.Tensor, activations: torch.dtype) -> bo
     ones, dequantised for oneDNN's bf16 matmul instead, made prefills slower than bf16's). fp32 strips do not:
     past ``STRIP_ROWS`` rows they only drew level with oneDNN over a step's weights not in cache (414-424
     GFLOP/s against 418, rows or strips chunked)."""
-    return activations == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
+    return (activations == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
+            and tile_steps() == TILE_STEPS_ANY)
+
+
+# What csrc/tile_linear.c multiplies on this CPU (its tile_linear_supported): steps of any size on AMX tiles,
+# steps of up to TILE_ROWS rows on AVX512-BF16 vectors (AMD Zen 4), nothing.
+TILE_STEPS_NONE, TILE_STEPS_SMALL, TILE_STEPS_ANY = 0, 1, 2
+
+
+def tile_steps() -> int:
+    """Which steps the tile layout serves on this CPU: ``TILE_STEPS_ANY``, ``TILE_STEPS_SMALL`` or ``TILE_STEPS_NONE``."""
+    lib = cpu_kernels.load()
+    return TILE_STEPS_NONE if lib is None else lib.tile_linear_supported()
 
 
 def can_tile(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can have a tile copy: bf16 (or int8, for bf16 activations) on a CPU with AMX tiles,
-    its shape a multiple of 16 x 32."""
+    """Whether ``weight`` can have a tile copy: bf16 (or int8, for bf16 activations) on a CPU with AMX tiles or
+    AVX512-BF16, its shape a multiple of 16 x 32."""
     if weight.dtype not in (torch.bfloat16, torch.int8) or weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    lib = cpu_kernels.load()
-    return (lib is not None and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
-            and bool(lib.tile_linear_supported()))
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and tile_steps() != TILE_STEPS_NONE
 
 
 def tile_layout(weight: torch.Tensor) -> torch.Tensor:

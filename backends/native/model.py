@@ -191,7 +191,7 @@ class LlamaModel(nn.Module):
         return total + packed + layouts + self.small_step_copy_bytes()
 
     def small_step_copy_bytes(self) -> int:
-        """Bytes of the linear weights' second copies for small steps, AMX tiles or fp32 strips (0 if none): not
+        """Bytes of the linear weights' second copies for small steps, bf16/int8 tiles or fp32 strips (0 if none): not
         the layouts that are a weight's only copy."""
         return sum(copy.numel() * copy.element_size() for m in self.modules()
                    if isinstance(m, Linear) and not m.layout_only
@@ -203,8 +203,9 @@ class LlamaModel(nn.Module):
         loading and casting, since the new layouts replace the weights. On CPUs with AMX tiles, the bf16 and int8
         weights of a bf16 model whose tile layout serves steps of every size get only that (linear.py). The other
         float weights are packed for oneDNN; the other weights, float or int8, get a second copy for small steps
-        where a kernel for it runs here: AMX tiles for bf16 activations, AVX-512 strips for fp32, kept when they
-        take at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's, where it has a limit).
+        where a kernel for it runs here: tiles for bf16 activations (on AMX, or AVX512-BF16 vectors), AVX-512 strips
+        for fp32, kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's,
+        where it has a limit).
         Returns whether it laid them out (False where this build has no CPU layout for their dtype)."""
         weight = self.embed_tokens.weight
         if not can_pack(weight.dtype, weight.device):
@@ -220,7 +221,7 @@ class LlamaModel(nn.Module):
                      sum(m.layout_only for m in linears), len(linears))
         linears = [m for m in linears if not m.layout_only]
         if weight.dtype == torch.bfloat16:
-            kind, rows, attr, can_copy, layout = "AMX tile", TILE_ROWS, "tiles", can_tile, tile_layout
+            kind, rows, attr, can_copy, layout = "Tile", TILE_ROWS, "tiles", can_tile, tile_layout
         else:
             kind, rows, attr, can_copy, layout = "fp32 strip", STRIP_ROWS, "strips", can_strip, strip_layout
         copied = [m for m in linears if can_copy(m.weight)]

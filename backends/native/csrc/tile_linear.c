@@ -25,6 +25,8 @@
  * dequantising the whole weight for oneDNN's matmul made int8 prefills slower than bf16's.
  * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
  * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
+ * CPUs with AVX512-BF16 but no tiles (AMD Zen 4) run the streaming path on vectors (stream_vectors), from the same
+ * layout; there larger steps are oneDNN's (tile_linear_supported says which).
  * Built and loaded by cpu_kernels.py.
  */
 
@@ -37,14 +39,34 @@
 #include "kernels.h"
 #include "vector_math.h"
 
-/* Whether tile_linear runs here: built with the tile instructions and granted the tile registers. */
+/* Which steps tile_linear multiplies here: 2 any number of rows (built with the tile instructions and granted the
+ * tile registers), 1 up to STREAM_ROWS (AVX512-BF16 vectors), 0 none. */
 int tile_linear_supported(void) {
 #if defined(HAVE_AMX_BF16)
-    return amx_permitted();
+    if (amx_permitted()) return 2;
+#endif
+#if defined(HAVE_AVX512_BF16)
+    return 1;
 #else
     return 0;
 #endif
 }
+
+#if defined(HAVE_AVX512_BF16)
+/* 32 int8 weights widened to bf16: int8 -> int32 -> fp32 -> bf16, all exact (|w| <= 127). */
+static inline __m512i widen_int8x32(const int8_t *w) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
+    return round_two_bf16(lo, hi);
+}
+
+/* The 16 scales of output columns 16j.. as fp32 (stored as fp32 or bf16), or ones without scales. */
+static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf16) {
+    if (!scales) return _mm512_set1_ps(1.0f);
+    if (!scales_bf16) return _mm512_loadu_ps((const float *)scales + 16 * j);
+    return load_bf16x16((const uint16_t *)scales + 16 * j);
+}
+#endif
 
 #if defined(HAVE_AMX_BF16)
 /* Tile registers (literal numbers: the tile intrinsics paste them into register names): 0-3 accumulate 16
@@ -76,20 +98,9 @@ static inline void store_rows(int tile_rows, float acc[16][16], __m512 scale, ui
     }
 }
 
-/* An int8 B tile (512 weights) widened to bf16 into buf: int8 -> int32 -> fp32 -> bf16, all exact. */
+/* An int8 B tile (512 weights) widened to bf16 into buf. */
 static inline void widen_tile(const int8_t *w, uint16_t *buf) {
-    for (int i = 0; i < 512; i += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + i + 16))));
-        _mm512_store_si512((__m512i *)(buf + i), round_two_bf16(lo, hi));
-    }
-}
-
-/* The 16 scales of output columns 16j.. as fp32 (stored as fp32 or bf16), or ones without scales. */
-static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf16) {
-    if (!scales) return _mm512_set1_ps(1.0f);
-    if (!scales_bf16) return _mm512_loadu_ps((const float *)scales + 16 * j);
-    return load_bf16x16((const uint16_t *)scales + 16 * j);
+    for (int i = 0; i < 512; i += 32) _mm512_store_si512((__m512i *)(buf + i), widen_int8x32(w + i));
 }
 
 #define PRODUCT(T, i) do { _tile_loadd(T_X, x + (m0 + 16 * (i)) * k + kk * 32, k * 2); \
@@ -266,18 +277,10 @@ static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, co
     free(tail), free(widened);
     return 0;
 }
-#endif
 
-/* x [m, k] and out [m, n] bf16, row-major; w_tiles: the weight [n, k] as tile_layout lays it out, bf16, or
- * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none). More than STREAM_ROWS rows, n a
- * multiple of 32, take the blocked path (bf16 weights without scales, or int8 with them).
- * Returns 0, 1 where it does not run (no tiles here, n not a multiple of 16 or k of 32), -2 without memory. */
-int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
-                int64_t k, int w_int8, int scales_bf16) {
-#if defined(HAVE_AMX_BF16)
-    if (!amx_permitted() || n % 16 || k <= 0 || k % 32) return 1;
-    if (m > STREAM_ROWS && n % 32 == 0 && w_int8 == (scales != NULL))
-        return blocked_linear(x, w_tiles, w_int8, scales, scales_bf16, out, m, n, k, PRODUCTS);
+/* The streaming path on the tiles: every row of x against each 16 output columns' B tiles in turn. */
+static void stream_tiles(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m,
+                         int64_t n, int64_t k, int w_int8, int scales_bf16) {
     const int64_t k_tiles = k / 32, rest = m % 16;
     #pragma omp parallel
     {
@@ -328,11 +331,105 @@ int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint
         }
         _tile_release(); /* leave no tile state for the thread's next user to save and restore */
     }
-    return 0;
-#else
-    (void)x, (void)w_tiles, (void)scales, (void)out, (void)m, (void)n, (void)k, (void)w_int8, (void)scales_bf16;
-    return 1;
+}
 #endif
+
+#if defined(HAVE_AVX512_BF16)
+/* The streaming path on CPUs with AVX512-BF16 but no tiles (AMD Zen 4): the same layout read as vectors. Tile
+ * column j's weights are one run of k / 2 rows of 64 bytes, row p holding columns 2p and 2p + 1 of its 16 outputs
+ * side by side, which is what vdpbf16ps multiplies by one pair of x broadcast to every lane: per row of x and
+ * 16 outputs, k / 2 dot products of pairs into one fp32 vector. Up to VEC_ROWS rows of x by two tile columns
+ * (32 outputs) accumulate in 24 vector registers; each weight row, loaded once from memory, serves them all, and
+ * the next rows of x read it again from L2 (two tile columns of k = 1536 take 96 KB). */
+#define VEC_ROWS 12
+
+/* Weight row p of a tile column's run, as 16 bf16 pairs: bf16, or int8 widened. */
+static inline __attribute__((always_inline)) __m512bh weight_row(const void *run, int64_t p, const int w_int8) {
+    if (w_int8) return (__m512bh)widen_int8x32((const int8_t *)run + 32 * p);
+    return (__m512bh)_mm512_loadu_si512((const uint16_t *)run + 32 * p);
+}
+
+/* Rows [0, r) of x (row stride k) by `cols` tile columns (1 or 2) from `run` on (the second one k / 2 weight rows
+ * further), rounded to bf16 with their scales into out (row stride n). Inlined with constant r and cols, so the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void vector_block(const uint16_t *x, int64_t k, const void *run,
+                                                               const __m512 scale[2], uint16_t *out, int64_t n,
+                                                               const int w_int8, const int r, const int cols) {
+    const int64_t pairs = k / 2;
+    const void *second = (const char *)run + pairs * 32 * (w_int8 ? 1 : 2);
+    __m512 acc[VEC_ROWS][2];
+    for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh w0 = weight_row(run, p, w_int8);
+        const __m512bh w1 = cols == 2 ? weight_row(second, p, w_int8) : w0;
+        for (int i = 0; i < r; i++) { /* x's pair p of row i, in every lane; _mm_loadu_si32 reads any alignment */
+            const __m512bh xi = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + i * k + 2 * p));
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xi, w0);
+            if (cols == 2) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xi, w1);
+        }
+    }
+    for (int i = 0; i < r; i++) {
+        for (int c = 0; c < cols; c++) {
+            const __m512 v = _mm512_mul_ps(acc[i][c], scale[c]);
+            _mm256_storeu_si256((__m256i *)(out + i * n + 16 * c), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+#define VEC_CASE(R) case R: vector_block(xb, k, run, scale, ob, n, w_int8, R, cols); break;
+/* One constant-shape block per (rows, columns); int8 and bf16 weights apart, so neither tests per row. */
+#define VEC_BLOCK(COLS, INT8) do { const int cols = COLS, w_int8 = INT8; switch (r) { \
+    VEC_CASE(1) VEC_CASE(2) VEC_CASE(3) VEC_CASE(4) VEC_CASE(5) VEC_CASE(6) \
+    VEC_CASE(7) VEC_CASE(8) VEC_CASE(9) VEC_CASE(10) VEC_CASE(11) VEC_CASE(12) } } while (0)
+
+static void stream_vectors(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m,
+                           int64_t n, int64_t k, int w_int8, int scales_bf16) {
+    const int64_t groups = (n / 16 + 1) / 2; /* of two tile columns; the last has one where n / 16 is odd */
+    const int64_t run_bytes = k / 2 * 32 * (w_int8 ? 1 : 2); /* one tile column's weights */
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t j = 2 * g, columns = n / 16 - j < 2 ? 1 : 2;
+        const void *run = (const char *)w_tiles + j * run_bytes;
+        const __m512 scale[2] = {column_scales(scales, j, scales_bf16),
+                                 columns == 2 ? column_scales(scales, j + 1, scales_bf16) : _mm512_set1_ps(1.0f)};
+        for (int64_t r0 = 0; r0 < m; r0 += VEC_ROWS) {
+            const uint16_t *xb = x + r0 * k;
+            uint16_t *ob = out + r0 * n + j * 16;
+            const int r = m - r0 < VEC_ROWS ? (int)(m - r0) : VEC_ROWS;
+            if (columns == 2) {
+                if (w_int8) VEC_BLOCK(2, 1); else VEC_BLOCK(2, 0);
+            } else {
+                if (w_int8) VEC_BLOCK(1, 1); else VEC_BLOCK(1, 0);
+            }
+        }
+    }
+}
+#endif
+
+/* x [m, k] and out [m, n] bf16, row-major; w_tiles: the weight [n, k] as tile_layout lays it out, bf16, or
+ * int8 (w_int8) with scales [n] (fp32, or bf16 if scales_bf16; NULL for none). More than STREAM_ROWS rows, n a
+ * multiple of 32, take the blocked path on the tiles (bf16 weights without scales, or int8 with them); without
+ * tiles (tile_linear_supported() == 1) only steps of up to STREAM_ROWS rows run, on vectors.
+ * Returns 0, 1 where it does not run (neither here, n not a multiple of 16 or k of 32), -2 without memory. */
+int tile_linear(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m, int64_t n,
+                int64_t k, int w_int8, int scales_bf16) {
+    if (n % 16 || k <= 0 || k % 32 || m < 1) return 1;
+#if defined(HAVE_AMX_BF16)
+    if (amx_permitted()) {
+        if (m > STREAM_ROWS && n % 32 == 0 && w_int8 == (scales != NULL))
+            return blocked_linear(x, w_tiles, w_int8, scales, scales_bf16, out, m, n, k, PRODUCTS);
+        stream_tiles(x, w_tiles, scales, out, m, n, k, w_int8, scales_bf16);
+        return 0;
+    }
+#endif
+#if defined(HAVE_AVX512_BF16)
+    if (m <= STREAM_ROWS) {
+        stream_vectors(x, w_tiles, scales, out, m, n, k, w_int8, scales_bf16);
+        return 0;
+    }
+#endif
+    (void)x, (void)w_tiles, (void)scales, (void)out, (void)w_int8, (void)scales_bf16;
+    return 1;
 }
 
 /* out [m, half] = silu(x gate^T) * (x up^T) for x [m, k] and w_tiles the [gate; up] weight [2 half, k] in

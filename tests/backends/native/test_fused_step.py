@@ -1,8 +1,8 @@
 """A CPU step runs the whole decoder stack in one C call (fused_step.py) and leaves bit for bit the logits and KV
-cache of the eager path, for every kind of small-step copy this CPU has (AMX tiles of bf16 or int8 weights,
-AVX-512 strips of fp32 ones): decodes, prefill chunks (with and without a cached prefix) and mixes of both, up to
-the rows the copies serve; with tile layouts as the weights' only copies (bf16 or int8), steps of any size (the
-tile kernel's blocked path); over KV caches stored as the activations or in fp8. Larger steps and
+cache of the eager path, for every kind of small-step copy this CPU has (tiles of bf16 or int8 weights, on AMX or
+AVX512-BF16; AVX-512 strips of fp32 ones): decodes, prefill chunks (with and without a cached prefix) and mixes of
+both, up to the rows the copies serve; with tile layouts as the weights' only copies (bf16 or int8, AMX), steps of
+any size (the tile kernel's blocked path); over KV caches stored as the activations or in fp8. Larger steps and
 ``enforce_eager`` run eagerly."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from backends.native.linear import STRIP_ROWS
+from backends.native.linear import STRIP_ROWS, TILE_ROWS, TILE_STEPS_ANY, tile_steps
 from backends.native.model_runner import ModelRunner
 from backends.native.weights import open_checkpoint
 
@@ -23,13 +23,14 @@ from backends.native.weights import open_checkpoint
 TINY_QWEN2 = {"model_type": "qwen2", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 256, "tie_word_embeddings": True}
-# each kind of copy, and the most rows of the steps it runs fused (None: any; the tiny model's bf16 and int8
-# weights have only their tile layouts)
-COPIES = {"bf16-tiles": (dict(dtype="bfloat16"), None),
-          "int8-tiles": (dict(dtype="bfloat16", quantization="int8"), None),
+# each kind of copy, and the most rows of the steps it runs fused (None: any; TILES: any on AMX tiles, where the
+# tiny model's bf16 and int8 weights have only their tile layouts, else TILE_ROWS)
+TILES = "tiles"
+COPIES = {"bf16-tiles": (dict(dtype="bfloat16"), TILES),
+          "int8-tiles": (dict(dtype="bfloat16", quantization="int8"), TILES),
           "fp32-strips": (dict(dtype="float32"), STRIP_ROWS),
           # fp8 KV caches (kv_cache_dtype), rounded as they are stored and widened as they are read
-          "bf16-tiles-fp8-kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), None),
+          "bf16-tiles-fp8-kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), TILES),
           "fp32-strips-fp8-e5m2-kv": (dict(dtype="float32", kv_cache_dtype="fp8_e5m2"), STRIP_ROWS)}
 BLOCK_SIZE = 16
 
@@ -87,8 +88,10 @@ def _steps() -> list[Batch]:
 def test_a_fused_step_leaves_the_eager_steps_logits_and_kv_cache(tiny_model, fields, max_rows):
     eager, fused = _runner(tiny_model, True, **fields), _runner(tiny_model, False, **fields)
     if fused.fused is None:
-        pytest.skip("this CPU has no small-step copies for these weights (AMX tiles, AVX-512 strips)")
+        pytest.skip("this CPU has no small-step copies for these weights (tiles, AVX-512 strips)")
     assert eager.fused is None  # enforce_eager: every step through the torch modules
+    if max_rows == TILES:
+        max_rows = None if tile_steps() == TILE_STEPS_ANY else TILE_ROWS
     assert fused.fused.max_rows == max_rows
     fused_rows, run = [], fused.fused.run
     fused.fused.run = lambda *args: fused_rows.append(len(args[0])) or run(*args)

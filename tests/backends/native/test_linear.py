@@ -1,6 +1,6 @@
 """Linear layers repacked for oneDNN compute what F.linear computes, and give the weight memory back; on CPUs
-with AMX tiles, bf16 layers with a tile copy answer small steps from it with the same product, and on CPUs
-with AVX-512 fp32 layers with a strip copy do."""
+with AMX tiles or AVX512-BF16, bf16 layers with a tile copy answer small steps from it with the same product (on
+AMX tiles, steps of any size), and on CPUs with AVX-512 fp32 layers with a strip copy do."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
 from backends.native.linear import (
     STRIP_ROWS,
     TILE_ROWS,
+    TILE_STEPS_ANY,
+    TILE_STEPS_NONE,
+    TILE_STEPS_SMALL,
     GateUpLinear,
     Int8Rows,
     Linear,
@@ -27,6 +30,7 @@ from backends.native.linear import (
     tile_layout,
     tile_matmul,
     tile_silu_mul,
+    tile_steps,
 )
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.model_runner import build_model
@@ -95,8 +99,13 @@ def test_fp32_gate_and_up_pack_as_one_matmul():
 def _tile_layer(out_features: int, in_features: int, bias: bool = False) -> Linear:
     layer = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     if not can_tile(layer.weight):
-        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+        pytest.skip("no AMX tiles or AVX512-BF16 on this CPU (or no C kernels)")
     return layer
+
+
+def _needs_tiles_for_every_step() -> None:
+    if tile_steps() != TILE_STEPS_ANY:
+        pytest.skip("steps past TILE_ROWS multiply the tile layout on AMX tiles only")
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -120,6 +129,7 @@ def test_tile_copy_gives_the_fp32_product_rounded_to_bf16(rows, bias, out_featur
 def test_tile_layout_multiplies_steps_of_any_size(rows, out_features, in_features):
     """Past TILE_ROWS rows, blocks of 32 x 32 (a partial last row block; 48 outputs stream instead), fp32 sums."""
     torch.manual_seed(rows)
+    _needs_tiles_for_every_step()
     layer = _tile_layer(out_features, in_features)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     got = tile_matmul(x, tile_layout(layer.weight))
@@ -131,7 +141,9 @@ WEIGHTS = ["bf16", "int8", "int8-bf16-scales"]
 
 
 def _tile_weight(kind: str, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A random weight of ``kind`` as (its tile layout, its scales or None)."""
+    """A random weight of ``kind`` as (its tile layout, its scales or None), for the tile kernel's rounding passes
+    (AMX tiles only)."""
+    _needs_tiles_for_every_step()
     weight = _tile_layer(out_features, in_features).weight
     if kind == "bf16":
         return tile_layout(weight), None
@@ -219,6 +231,26 @@ def test_small_steps_read_the_tile_copy_and_larger_ones_the_onednn_copy():
     assert layer(torch.ones(TILE_ROWS + 1, 64, dtype=torch.bfloat16)).all()
 
 
+def test_tile_kernel_serves_steps_of_any_size_on_amx_and_small_ones_on_avx512_bf16_vectors():
+    """What the kernel library says it serves follows the CPU: AMX tiles any step, AVX512-BF16 alone (AMD Zen 4)
+    steps of up to TILE_ROWS rows, which it then multiplies on vectors; past them it refuses, naming the weight."""
+    flags = open("/proc/cpuinfo").read().split()
+    expected = (TILE_STEPS_ANY if "amx_bf16" in flags else TILE_STEPS_SMALL if "avx512_bf16" in flags
+                else TILE_STEPS_NONE)
+    if not can_pack(torch.bfloat16, torch.device("cpu")) or (expected and not can_tile(torch.zeros(16, 32).bfloat16())):
+        pytest.skip("no native bf16 matmuls or no C kernels on this CPU")
+    assert tile_steps() == expected
+    if expected != TILE_STEPS_SMALL:
+        return
+    torch.manual_seed(0)
+    weight = torch.randn(64, 96).bfloat16()
+    x = torch.randn(TILE_ROWS, 96).bfloat16()
+    torch.testing.assert_close(tile_matmul(x, tile_layout(weight)).float(), x.float() @ weight.float().T,
+                               atol=2e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match=r"refused a \[64, 96\] weight"):
+        tile_matmul(torch.randn(TILE_ROWS + 1, 96).bfloat16(), tile_layout(weight))
+
+
 def test_only_bf16_weights_of_whole_tiles_get_a_tile_copy():
     _tile_layer(16, 32)  # skips where nothing can
     assert can_tile(torch.zeros(16, 32, dtype=torch.bfloat16))
@@ -283,7 +315,7 @@ def _packed_bf16_model() -> LlamaModel:
     model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
     model.to(torch.bfloat16)
     if not can_tile(model.lm_head.weight):
-        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+        pytest.skip("no AMX tiles or AVX512-BF16 on this CPU (or no C kernels)")
     return model
 
 
@@ -291,6 +323,7 @@ def test_a_bf16_model_lays_out_its_weights_as_tiles_and_keeps_copies_where_they_
     """Layers whose outputs are a multiple of 32 keep only their tile layout (it serves steps of every size); qkv
     keeps its packed weight and a tile copy for small steps; o_proj only its packed weight. Each counted once."""
     model = _packed_bf16_model()
+    _needs_tiles_for_every_step()
     x = torch.randn(100, 128, dtype=torch.bfloat16)  # down_proj's input, more rows than the tiles stream
     mlp = model.layers[0].mlp
     expected = F.linear(x.float(), mlp.down_proj.weight.float())
@@ -317,8 +350,7 @@ def test_an_int8_bf16_model_keeps_only_the_tile_layout_of_int8_weights_whose_out
                       num_kv_heads=1, head_dim=16, tie_word_embeddings=True)
     model = build_model(cfg, 64, torch.bfloat16, torch.device("cpu"), int8=True)
     model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
-    if not can_tile(model.lm_head.weight):
-        pytest.skip("no AMX tiles on this CPU (or no C kernels)")
+    _needs_tiles_for_every_step()
     mlp = model.layers[0].mlp
     gate_up = Int8Rows(mlp.gate_up_proj.weight.clone(), mlp.gate_up_proj.scales.float())
     x = torch.randn(100, 64, dtype=torch.bfloat16)  # more rows than the tiles stream
@@ -337,6 +369,26 @@ def test_an_int8_bf16_model_keeps_only_the_tile_layout_of_int8_weights_whose_out
     expected = TorchLayerOps.silu_and_mul(both.bfloat16())
     got = mlp.gate_up_proj.silu_and_mul(x, CpuLayerOps)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+
+
+def test_a_bf16_model_on_vectors_keeps_oneDNN_packings_and_tile_copies_for_small_steps():
+    """Where the tile layout serves small steps only (AVX512-BF16 without AMX), no layer gives up its packed weight:
+    every weight of whole tiles (not o_proj's 48 inputs) gets a tile copy beside it, counted once, and small steps
+    read it while larger ones read the packing."""
+    model = _packed_bf16_model()
+    if tile_steps() != TILE_STEPS_SMALL:
+        pytest.skip("the tile layout serves every step here (AMX tiles)")
+    x = torch.randn(TILE_ROWS + 1, 128, dtype=torch.bfloat16)
+    down = model.layers[0].mlp.down_proj
+    expected = F.linear(x.float(), down.weight.float())
+    assert model.pack_linear_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert not any(m.layout_only for m in linears) and all(m.packed_weights() for m in linears)
+    o_projs = {layer.self_attn.o_proj for layer in model.layers}
+    assert all((m.tiles is None) == (m in o_projs) for m in linears)
+    assert model.small_step_copy_bytes() == sum(m.tiles.numel() * 2 for m in linears if m not in o_projs)
+    for rows in (1, TILE_ROWS, TILE_ROWS + 1):  # tile copy, tile copy, packed weight
+        torch.testing.assert_close(down(x[:rows]).float(), expected[:rows], atol=2e-2, rtol=1e-2)
 
 
 def test_an_fp32_model_keeps_strip_copies_and_counts_them():
