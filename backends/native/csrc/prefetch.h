@@ -15,19 +15,35 @@
 struct prefetch {
     const char *k, *v; /* the keys and values asked for; NULL: none */
     int64_t at, bytes; /* asked for up to `at` of `bytes` */
+    int to_l2;         /* ask for them into L2 (prefetcht1), else into L1 */
 };
+
+/* Where the lines go: into L1 on Intel, where that was measured (above); into L2 on AMD Zen, where requests into L1
+ * held its few L1 miss buffers as well: the vector kernel on an EPYC (Zen 4), 64 x 512 keys, 30 layers, 64-token
+ * blocks, interleaved, bf16 48-55 -> 35 ms and fp32 94-105 -> 65-74 with L2 requests in the same slices (requests
+ * into L3 37-41 ms, non-temporal 46-48, all at once into L2 50-60, none 60). */
+static inline int prefetch_to_l2(void) {
+    static int amd = -1; /* racing threads ask twice: harmless */
+    if (amd < 0) amd = __builtin_cpu_is("amd");
+    return amd;
+}
 
 /* The lines of `bytes` of keys at k and values at v, none asked for yet. */
 static inline struct prefetch prefetch_lines(const void *k, const void *v, int64_t bytes) {
-    return (struct prefetch){(const char *)k, (const char *)v, 0, bytes};
+    return (struct prefetch){(const char *)k, (const char *)v, 0, bytes, prefetch_to_l2()};
 }
 
 /* Ask for up to `lines` more lines of the keys and as many of the values. */
 static inline void prefetch_slice(struct prefetch *p, int64_t lines) {
     if (!p->k) return;
     for (; lines > 0 && p->at < p->bytes; lines--, p->at += 64) {
-        __builtin_prefetch(p->k + p->at);
-        __builtin_prefetch(p->v + p->at);
+        if (p->to_l2) {
+            __builtin_prefetch(p->k + p->at, 0, 2);
+            __builtin_prefetch(p->v + p->at, 0, 2);
+        } else {
+            __builtin_prefetch(p->k + p->at);
+            __builtin_prefetch(p->v + p->at);
+        }
     }
 }
 
