@@ -418,15 +418,14 @@ static inline float exp_or_zero(float x) {
     return x > -EXP_FLOOR ? p * two_n : 0.0f;
 }
 
-/* Fold the n keys of one slice, the first at position key0, into the running softmax state (ot, m, l) of
- * `lanes` query rows at positions pos[r]: scores, the new maximum per row (keys past a row's position do
- * not count: causal), the rescale of what was summed under the old one, probabilities, weighted values. */
-static inline __attribute__((always_inline)) void attend_slice(
-        const float *const *krow, const float *const *vrow, int64_t n, const int64_t d, const int rv,
-        const int32_t *pos, int32_t key0, float qt[][TILE_ROWS], float ot[][TILE_ROWS], float *m, float *l) {
+/* The online softmax of one slice's scores st (n keys, the first at position key0) for `rv` vectors of query rows
+ * at positions pos[r]: the new maximum per row (keys past a row's position do not count: causal), into alpha the
+ * rescale of what was summed under the old one, the probabilities over the scores, the running sums l. */
+static inline __attribute__((always_inline)) void softmax_slice(float st[][TILE_ROWS], int64_t n, const int rv,
+                                                               const int32_t *pos, int32_t key0, float *m, float *l,
+                                                               float *alpha) {
     const int64_t lanes = rv * LANES;
-    float st[KEYS][TILE_ROWS], top[TILE_ROWS], alpha[TILE_ROWS], sum[TILE_ROWS];
-    score_slice(krow, n, d, rv, qt, st);
+    float top[TILE_ROWS], sum[TILE_ROWS];
     memcpy(top, m, lanes * sizeof *top);
     for (int64_t t = 0; t < n; t++) {
         #pragma omp simd
@@ -447,6 +446,16 @@ static inline __attribute__((always_inline)) void attend_slice(
     }
     #pragma omp simd
     for (int64_t r = 0; r < lanes; r++) l[r] = l[r] * alpha[r] + sum[r];
+}
+
+/* Fold the n keys of one slice, the first at position key0, into the running softmax state (ot, m, l) of
+ * `rv` vectors of query rows at positions pos[r]: scores, their softmax, weighted values. */
+static inline __attribute__((always_inline)) void attend_slice(
+        const float *const *krow, const float *const *vrow, int64_t n, const int64_t d, const int rv,
+        const int32_t *pos, int32_t key0, float qt[][TILE_ROWS], float ot[][TILE_ROWS], float *m, float *l) {
+    float st[KEYS][TILE_ROWS], alpha[TILE_ROWS];
+    score_slice(krow, n, d, rv, qt, st);
+    softmax_slice(st, n, rv, pos, key0, m, l, alpha);
     accumulate_slice(vrow, n, d, rv, st, alpha, ot);
 }
 
@@ -466,6 +475,105 @@ static void attend_slice_any(const float *const *krow, const float *const *vrow,
 #undef ATTEND
 }
 
+typedef uint32_t pair_rows[TILE_ROWS];    /* one bf16 pair per query row */
+typedef uint32_t pair_dims[MAX_HEAD_DIM]; /* one bf16 pair per dimension */
+
+#if defined(HAVE_AVX512_BF16)
+/* bf16 caches on AVX512-BF16 (without AMX tiles, which take prefill_attention_amx.c): the same tasks and online
+ * softmax, with every product taken two at a time by vdpbf16ps, one instruction per 32 products where the fp32
+ * path takes two FMAs and widens the keys and values first. Scores: the queries as dimension pairs by row,
+ * qp[i][r] = (q[r][2i], q[r][2i + 1]), against a key's pair i broadcast from the cache, read in place. Outputs:
+ * the probabilities rounded to bf16 (as flash attention rounds them on GPUs, and the tile kernel here) as key
+ * pairs by row, pp[i][r] = (p[2i][r], p[2i + 1][r]), against the values interleaved in key pairs once per slice,
+ * vp[i][c] = (v[2i][c], v[2i + 1][c]), for every query tile's rows alike. */
+/* st[t][r] = scale * q[r] . k[t] for t < n (rounded up to AT_ONCE: krow repeats its last key). */
+static inline __attribute__((always_inline)) void score_pairs(const uint16_t *const *krow, int64_t n, const int64_t d,
+                                                             const int rv, const pair_rows *qp, float scale,
+                                                             float st[][TILE_ROWS]) {
+    for (int64_t t = 0; t < n; t += AT_ONCE) {
+        __m512 a[AT_ONCE][ROW_VECS];
+        for (int j = 0; j < AT_ONCE; j++)
+            for (int v = 0; v < rv; v++) a[j][v] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d / 2; i++) {
+            __m512bh q[ROW_VECS];
+            for (int v = 0; v < rv; v++) q[v] = (__m512bh)_mm512_loadu_si512(qp[i] + v * LANES);
+            for (int j = 0; j < AT_ONCE; j++) { /* _mm_loadu_si32: a pair at any alignment */
+                const __m512bh k = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(krow[t + j] + 2 * i));
+                for (int v = 0; v < rv; v++) a[j][v] = _mm512_dpbf16_ps(a[j][v], q[v], k);
+            }
+        }
+        for (int j = 0; j < AT_ONCE; j++)
+            for (int v = 0; v < rv; v++) _mm512_storeu_ps(st[t + j] + v * LANES, _mm512_mul_ps(a[j][v], _mm512_set1_ps(scale)));
+    }
+}
+
+/* vp[i][c] = (v[2i][c], v[2i + 1][c]) for the slice's n value rows (a missing last row: zeros). */
+static inline __attribute__((always_inline)) void interleave_values(const uint16_t *const *vrow, int64_t n,
+                                                                   const int64_t d, pair_dims *vp) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                           39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16)); /* dimensions 16-31 of 32 */
+    for (int64_t i = 0; 2 * i < n; i++) {
+        for (int64_t c = 0; c < d; c += 32) {
+            const __m512i a = _mm512_loadu_si512(vrow[2 * i] + c);
+            const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(vrow[2 * i + 1] + c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp[i] + c, _mm512_permutex2var_epi16(a, first, b));
+            _mm512_storeu_si512(vp[i] + c + 16, _mm512_permutex2var_epi16(a, second, b));
+        }
+    }
+}
+
+/* ot[c][r] = ot[c][r] * alpha[r] + sum over t < n of p[t][r] * v[t][c]: the probabilities st rounded into key
+ * pairs, then AT_ONCE output columns by rv row vectors in registers while the slice's value pairs stream past.
+ * Past an odd n, st's row holds a finite score (score_pairs repeats the last key), whose pair meets a zero value
+ * row. */
+static inline __attribute__((always_inline)) void accumulate_pairs(const pair_dims *vp, int64_t n, const int64_t d,
+                                                                  const int rv, float st[][TILE_ROWS],
+                                                                  const float *alpha, float ot[][TILE_ROWS]) {
+    pair_rows pp[KEYS / 2];
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t i = 0; i < pairs; i++)
+        for (int v = 0; v < rv; v++)
+            _mm512_storeu_si512(pp[i] + v * LANES, interleave_halves(round_two_bf16(
+                _mm512_loadu_ps(st[2 * i] + v * LANES), _mm512_loadu_ps(st[2 * i + 1] + v * LANES))));
+    __m512 al[ROW_VECS];
+    for (int v = 0; v < rv; v++) al[v] = _mm512_loadu_ps(alpha + v * LANES);
+    for (int64_t c = 0; c < d; c += AT_ONCE) {
+        __m512 a[AT_ONCE][ROW_VECS];
+        for (int j = 0; j < AT_ONCE; j++)
+            for (int v = 0; v < rv; v++) a[j][v] = _mm512_mul_ps(_mm512_loadu_ps(ot[c + j] + v * LANES), al[v]);
+        for (int64_t i = 0; i < pairs; i++) {
+            __m512bh p[ROW_VECS];
+            for (int v = 0; v < rv; v++) p[v] = (__m512bh)_mm512_loadu_si512(pp[i] + v * LANES);
+            for (int j = 0; j < AT_ONCE; j++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)vp[i][c + j]);
+                for (int v = 0; v < rv; v++) a[j][v] = _mm512_dpbf16_ps(a[j][v], p[v], x);
+            }
+        }
+        for (int j = 0; j < AT_ONCE; j++)
+            for (int v = 0; v < rv; v++) _mm512_storeu_ps(ot[c + j] + v * LANES, a[j][v]);
+    }
+}
+
+/* attend_slice on bf16 pairs, with the row vectors and common head sizes as constants. */
+static void attend_pairs_any(const uint16_t *const *krow, const uint16_t *const *vrow, int64_t n, int64_t d, int rv,
+                             const int32_t *pos, int32_t key0, const pair_rows *qp, float scale, pair_dims *vp,
+                             float ot[][TILE_ROWS], float *m, float *l) {
+    float st[KEYS + 1][TILE_ROWS], alpha[TILE_ROWS]; /* a row past an odd n's last: its pair's zeros */
+#define ATTEND(RV, D) do { score_pairs(krow, n, D, RV, qp, scale, st); softmax_slice(st, n, RV, pos, key0, m, l, alpha); \
+                           interleave_values(vrow, n, D, vp); accumulate_pairs(vp, n, D, RV, st, alpha, ot); } while (0)
+#define ATTEND_D(RV) do { if (d == 64) ATTEND(RV, 64); else if (d == 128) ATTEND(RV, 128); else ATTEND(RV, d); } while (0)
+    switch (rv) {
+    case 1: ATTEND_D(1); break;
+    case 2: ATTEND_D(2); break;
+    case 3: ATTEND_D(3); break;
+    default: ATTEND_D(4);
+    }
+#undef ATTEND_D
+#undef ATTEND
+}
+#endif
+
 /* Causal attention for prefill chunks, reading all keys (cached prefix and this chunk's, already written)
  * from the paged cache. Sequence s owns query rows query_starts[s] .. + query_lens[s] of q and out
  * [tokens, num_heads, head_dim] (q: q_stride elements between tokens; out: contiguous); its queries are
@@ -482,6 +590,11 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     if (!paged_attention_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const int64_t group = num_heads / num_kv_heads, d = head_dim;
     const int widened = is_bf16 || kv_format != KV_AS_ACTIVATIONS; /* else fp32, read in place */
+#if defined(HAVE_AVX512_BF16)
+    const int paired = is_bf16 && kv_format == KV_AS_ACTIVATIONS && d % 32 == 0; /* bf16 read in place, in pairs */
+#else
+    const int paired = 0;
+#endif
     #pragma omp parallel
     {
         int64_t first, end; /* a task's fixed work, its queries' loads and output, ~1 slice of keys */
@@ -491,15 +604,19 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             const int64_t s = t.seq, h = t.head, first = t.first_row, rows = t.rows;
             const int64_t prefix = context_lens[s] - query_lens[s];
             const int rv = (int)((rows + LANES - 1) / LANES); /* lanes past `rows`: the last row again, dropped */
-            float qt[MAX_HEAD_DIM][TILE_ROWS], ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
-            float kbuf[KEYS * MAX_HEAD_DIM], vbuf[KEYS * MAX_HEAD_DIM]; /* bf16 keys and values, widened */
+            union { float f[MAX_HEAD_DIM][TILE_ROWS]; pair_rows pairs[MAX_HEAD_DIM / 2]; } qt; /* scaled, or pairs */
+            float ot[MAX_HEAD_DIM][TILE_ROWS], m[TILE_ROWS], l[TILE_ROWS];
+            float kbuf[KEYS * MAX_HEAD_DIM]; /* keys widened */
+            union { float f[KEYS * MAX_HEAD_DIM]; pair_dims pairs[KEYS / 2]; } vbuf; /* values widened, or pairs */
             const float *krow[KEYS], *vrow[KEYS];
+            const uint16_t *krow16[KEYS], *vrow16[KEYS]; /* bf16 rows in place */
             int32_t pos[TILE_ROWS];
             for (int64_t r = 0; r < rv * LANES; r++) {
                 const int64_t row = first + (r < rows ? r : rows - 1); /* token row / group, head row % group */
                 const int64_t at = (query_starts[s] + row / group) * q_stride + (h * group + row % group) * d;
                 for (int64_t i = 0; i < d; i++) {
-                    qt[i][r] = load(q, at + i, is_bf16) * scale;
+                    if (paired && i % 2 == 0) memcpy(&qt.pairs[i / 2][r], (const uint16_t *)q + at + i, 4);
+                    else if (!paired) qt.f[i][r] = load(q, at + i, is_bf16) * scale;
                     ot[i][r] = 0.0f;
                 }
                 pos[r] = (int32_t)(prefix + row / group);
@@ -513,20 +630,36 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                     const int64_t key = key0 + j, block = block_tables[s * table_stride + key / block_size];
                     const int64_t at = ((h * num_blocks + block) * block_size + key % block_size) * d;
                     run = block_size - key % block_size < n - j ? block_size - key % block_size : n - j;
+                    if (paired) {
+                        for (int64_t u = 0; u < run; u++) {
+                            krow16[j + u] = (const uint16_t *)k_cache + at + u * d;
+                            vrow16[j + u] = (const uint16_t *)v_cache + at + u * d;
+                        }
+                        continue;
+                    }
                     if (kv_format != KV_AS_ACTIVATIONS) {
                         widen_fp8((const uint8_t *)k_cache + at, kbuf + j * d, run * d, kv_format, 0);
-                        widen_fp8((const uint8_t *)v_cache + at, vbuf + j * d, run * d, kv_format, 0);
+                        widen_fp8((const uint8_t *)v_cache + at, vbuf.f + j * d, run * d, kv_format, 0);
                     } else if (is_bf16) {
                         widen((const uint16_t *)k_cache + at, kbuf + j * d, run * d);
-                        widen((const uint16_t *)v_cache + at, vbuf + j * d, run * d);
+                        widen((const uint16_t *)v_cache + at, vbuf.f + j * d, run * d);
                     }
                     for (int64_t u = 0; u < run; u++) {
                         krow[j + u] = widened ? kbuf + (j + u) * d : (const float *)k_cache + at + u * d;
-                        vrow[j + u] = widened ? vbuf + (j + u) * d : (const float *)v_cache + at + u * d;
+                        vrow[j + u] = widened ? vbuf.f + (j + u) * d : (const float *)v_cache + at + u * d;
                     }
                 }
-                for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) krow[j] = krow[n - 1];
-                attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt, ot, m, l);
+                for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++)
+                    krow[j] = krow[n - 1], krow16[j] = krow16[n - 1];
+#if defined(HAVE_AVX512_BF16)
+                if (paired) {
+                    attend_pairs_any(krow16, vrow16, n, d, rv, pos, (int32_t)key0, qt.pairs, scale, vbuf.pairs, ot, m, l);
+                    continue;
+                }
+#else
+                (void)vrow16;
+#endif
+                attend_slice_any(krow, vrow, n, d, rv, pos, (int32_t)key0, qt.f, ot, m, l);
             }
             for (int64_t r = 0, row = first; r < rows; r++, row++) {
                 const int64_t at = ((query_starts[s] + row / group) * num_heads + h * group + row % group) * d;
