@@ -50,7 +50,7 @@ def test_dtype_device_quantization_kv_cache_and_name_options_reach_the_running_e
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
         assert engine["kv_cache_dtype"] == "float8_e4m3fn" and engine["block_size"] == 32
         # int8 linear layers: SmolLM2's 135M parameters in under 1.5 bytes each (bf16 alone: 2), not counting
-        # the second copy as AMX tiles that CPUs with them keep (linear.py)
+        # the second copy as tiles that CPUs with AMX or AVX512-BF16 keep for small steps (linear.py)
         held_once = engine["weight_bytes"] - engine["small_step_copy_bytes"]
         assert engine["quantization"] == "int8" and held_once < 1.5 * 135e6
         assert engine["tensor_parallel_size"] == 1 and engine["warmup"] and engine["num_threads"] >= 1
