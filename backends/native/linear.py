@@ -22,7 +22,7 @@ shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (`
 pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_only``,
 ``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
 otherwise it is a second copy for small steps. CPUs with AVX512-BF16 but no tiles (AMD Zen 4) read the same
-layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul was 1.2-1.7x
+layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul was 1.2-1.6x
 slower (benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
 fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
 strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
