@@ -459,19 +459,17 @@ static inline __attribute__((always_inline)) void attend_slice(
     accumulate_slice(vrow, n, d, rv, st, alpha, ot);
 }
 
-/* attend_slice with the row vectors and common head sizes as constants: unrolled, all in registers. */
+/* CALL(RV, D) with the row vectors `rv` and common head sizes `d` as constants: unrolled, all in registers. */
+#define SHAPE_D(CALL, RV) do { if (d == 64) CALL(RV, 64); else if (d == 128) CALL(RV, 128); else CALL(RV, d); } while (0)
+#define CONSTANT_SHAPE(CALL) do { switch (rv) { case 1: SHAPE_D(CALL, 1); break; case 2: SHAPE_D(CALL, 2); break; \
+                                                case 3: SHAPE_D(CALL, 3); break; default: SHAPE_D(CALL, 4); } } while (0)
+
+/* attend_slice with constant shapes. */
 static void attend_slice_any(const float *const *krow, const float *const *vrow, int64_t n, int64_t d, int rv,
                              const int32_t *pos, int32_t key0, float qt[][TILE_ROWS], float ot[][TILE_ROWS],
                              float *m, float *l) {
 #define ATTEND(RV, D) attend_slice(krow, vrow, n, D, RV, pos, key0, qt, ot, m, l)
-#define ATTEND_D(RV) (d == 64 ? ATTEND(RV, 64) : d == 128 ? ATTEND(RV, 128) : ATTEND(RV, d))
-    switch (rv) {
-    case 1: ATTEND_D(1); break;
-    case 2: ATTEND_D(2); break;
-    case 3: ATTEND_D(3); break;
-    default: ATTEND_D(4);
-    }
-#undef ATTEND_D
+    CONSTANT_SHAPE(ATTEND);
 #undef ATTEND
 }
 
@@ -555,21 +553,14 @@ static inline __attribute__((always_inline)) void accumulate_pairs(const pair_di
     }
 }
 
-/* attend_slice on bf16 pairs, with the row vectors and common head sizes as constants. */
+/* attend_slice on bf16 pairs, with constant shapes. */
 static void attend_pairs_any(const uint16_t *const *krow, const uint16_t *const *vrow, int64_t n, int64_t d, int rv,
                              const int32_t *pos, int32_t key0, const pair_rows *qp, float scale, pair_dims *vp,
                              float ot[][TILE_ROWS], float *m, float *l) {
-    float st[KEYS + 1][TILE_ROWS], alpha[TILE_ROWS]; /* a row past an odd n's last: its pair's zeros */
+    float st[KEYS][TILE_ROWS], alpha[TILE_ROWS];
 #define ATTEND(RV, D) do { score_pairs(krow, n, D, RV, qp, scale, st); softmax_slice(st, n, RV, pos, key0, m, l, alpha); \
                            interleave_values(vrow, n, D, vp); accumulate_pairs(vp, n, D, RV, st, alpha, ot); } while (0)
-#define ATTEND_D(RV) do { if (d == 64) ATTEND(RV, 64); else if (d == 128) ATTEND(RV, 128); else ATTEND(RV, d); } while (0)
-    switch (rv) {
-    case 1: ATTEND_D(1); break;
-    case 2: ATTEND_D(2); break;
-    case 3: ATTEND_D(3); break;
-    default: ATTEND_D(4);
-    }
-#undef ATTEND_D
+    CONSTANT_SHAPE(ATTEND);
 #undef ATTEND
 }
 #endif

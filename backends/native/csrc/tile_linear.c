@@ -349,14 +349,13 @@ static inline __attribute__((always_inline)) __m512bh weight_row(const void *run
     return (__m512bh)_mm512_loadu_si512((const uint16_t *)run + 32 * p);
 }
 
-/* Rows [0, r) of x (row stride k) by `cols` tile columns (1 or 2) from `run` on (the second one k / 2 weight rows
- * further), rounded to bf16 with their scales into out (row stride n). Inlined with constant r and cols, so the
- * accumulators stay in registers. */
+/* Rows [0, r) of x (row stride k) by `cols` tile columns (1 or 2: the runs `run` and `second`), rounded to bf16 with
+ * their scales into out (row stride n). Inlined with constant r and cols, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void vector_block(const uint16_t *x, int64_t k, const void *run,
-                                                               const __m512 scale[2], uint16_t *out, int64_t n,
-                                                               const int w_int8, const int r, const int cols) {
+                                                               const void *second, const __m512 scale[2],
+                                                               uint16_t *out, int64_t n, const int w_int8,
+                                                               const int r, const int cols) {
     const int64_t pairs = k / 2;
-    const void *second = (const char *)run + pairs * 32 * (w_int8 ? 1 : 2);
     __m512 acc[VEC_ROWS][2];
     for (int i = 0; i < r; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
@@ -376,12 +375,14 @@ static inline __attribute__((always_inline)) void vector_block(const uint16_t *x
     }
 }
 
-#define VEC_CASE(R) case R: vector_block(xb, k, run, scale, ob, n, w_int8, R, cols); break;
+#define VEC_CASE(R) case R: vector_block(xb, k, run, run + run_bytes, scale, ob, n, w_int8, R, cols); break;
 /* One constant-shape block per (rows, columns); int8 and bf16 weights apart, so neither tests per row. */
 #define VEC_BLOCK(COLS, INT8) do { const int cols = COLS, w_int8 = INT8; switch (r) { \
     VEC_CASE(1) VEC_CASE(2) VEC_CASE(3) VEC_CASE(4) VEC_CASE(5) VEC_CASE(6) \
     VEC_CASE(7) VEC_CASE(8) VEC_CASE(9) VEC_CASE(10) VEC_CASE(11) VEC_CASE(12) } } while (0)
 
+/* tile_linear's streaming path on vectors, for m <= STREAM_ROWS: each thread takes a share of the pairs of tile
+ * columns, and passes every row block of x over each. */
 static void stream_vectors(const uint16_t *x, const void *w_tiles, const void *scales, uint16_t *out, int64_t m,
                            int64_t n, int64_t k, int w_int8, int scales_bf16) {
     const int64_t groups = (n / 16 + 1) / 2; /* of two tile columns; the last has one where n / 16 is odd */
@@ -389,7 +390,7 @@ static void stream_vectors(const uint16_t *x, const void *w_tiles, const void *s
     #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t j = 2 * g, columns = n / 16 - j < 2 ? 1 : 2;
-        const void *run = (const char *)w_tiles + j * run_bytes;
+        const char *run = (const char *)w_tiles + j * run_bytes;
         const __m512 scale[2] = {column_scales(scales, j, scales_bf16),
                                  columns == 2 ? column_scales(scales, j + 1, scales_bf16) : _mm512_set1_ps(1.0f)};
         for (int64_t r0 = 0; r0 < m; r0 += VEC_ROWS) {
