@@ -13,12 +13,13 @@
  * of query rows: 64 with AVX-512), holding its queries, scores and outputs with the rows as vector lanes;
  * keys and values are read as rows, 32 keys per slice, each element broadcast against the rows (register
  * blocks of 4 keys or 4 output columns by the row vectors with AVX-512, 2 elsewhere), and the online softmax
- * runs down the keys, one row per lane.
+ * runs down the keys, one row per lane; bf16 caches on AVX512-BF16 multiply two products at a time (vdpbf16ps:
+ * queries and probabilities in pairs, keys read in place, values interleaved in key pairs per slice).
  *
  * Tasks are spread over OpenMP threads (the process's libgomp: the one torch has loaded already); in prefill each
  * thread takes a run of them of about equal cost (prefill_share).
  * Sums are fp32; bf16 storage is widened block by block in decode (or multiplied in pairs, above), slice by
- * slice in prefill. fp8 caches (kv_format, fp8.h) hold half a bf16 cache's bytes; each block read is widened
+ * slice in prefill (or multiplied in pairs, above). fp8 caches (kv_format, fp8.h) hold half a bf16 cache's bytes; each block read is widened
  * to fp32 first and then attended as an fp32 block.
  * Built and loaded by cpu_kernels.py;
  * the pure-torch paths in attention.py are the reference.
