@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import run_record  # noqa: E402
+from step_profile import timings  # noqa: E402
 
 from backends.native.layer_ops import CpuLayerOps  # noqa: E402
 from backends.native.linear import TILE_ROWS, GateUpLinear, Int8Rows, Linear, can_tile, tile_layout  # noqa: E402
@@ -63,13 +63,8 @@ def one_pass(model: list, rows: int) -> None:
 
 
 def best_ms(model: list, rows: int, repeats: int) -> float:
-    one_pass(model, rows)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        one_pass(model, rows)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    """The fastest of ``repeats`` passes, after an untimed one."""
+    return min(timings(lambda: one_pass(model, rows), repeats)) * 1e3
 
 
 def main() -> None:

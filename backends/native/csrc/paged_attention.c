@@ -641,8 +641,10 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                         vrow[j + u] = widened ? vbuf.f + (j + u) * d : (const float *)v_cache + at + u * d;
                     }
                 }
-                for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++)
-                    krow[j] = krow[n - 1], krow16[j] = krow16[n - 1];
+                for (int64_t j = n; j < (n + AT_ONCE - 1) / AT_ONCE * AT_ONCE; j++) { /* the last key again */
+                    if (paired) krow16[j] = krow16[n - 1];
+                    else krow[j] = krow[n - 1];
+                }
 #if defined(HAVE_AVX512_BF16)
                 if (paired) {
                     attend_pairs_any(krow16, vrow16, n, d, rv, pos, (int32_t)key0, qt.pairs, scale, vbuf.pairs, ot, m, l);

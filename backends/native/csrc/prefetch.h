@@ -20,7 +20,7 @@ struct prefetch {
 
 /* Where the lines go: into L1 on Intel, where that was measured (above); into L2 on AMD Zen, where requests into L1
  * held its few L1 miss buffers as well: the vector kernel on an EPYC (Zen 4), 64 x 512 keys, 30 layers, 64-token
- * blocks, interleaved, bf16 48-55 -> 35 ms and fp32 94-105 -> 65-74 with L2 requests in the same slices (requests
+ * blocks, interleaved, bf16 48-55 -> 34-40 ms and fp32 94-105 -> 65-74 with L2 requests in the same slices (requests
  * into L3 37-41 ms, non-temporal 46-48, all at once into L2 50-60, none 60). */
 static inline int prefetch_to_l2(void) {
     static int amd = -1; /* racing threads ask twice: harmless */
