@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 class DeepSpeedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str | None = None  # local HF directory or .gguf; None: the embedded SmolLM2
+    model_path: str | None = None  # local HF directory, .gguf or (dummy) config.json; None: the embedded SmolLM2
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the config's shape (vLLM's name)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_batch_size: int = Field(32, ge=1)  # requests per static batch
 
@@ -89,7 +90,9 @@ class DeepSpeedInferenceBackend(Backend):
         from backends.native.weights import default_model_path
 
         path = Path(self.cfg.model_path) if self.cfg.model_path else default_model_path()
-        if path.is_file():  # GGUF: transformers dequantises it
+        if self.cfg.load_format == "dummy":
+            model = _dummy_model(path, self.dtype)
+        elif path.is_file():  # GGUF: transformers dequantises it
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=self.dtype)
             # The weights are dense tensors of ``dtype`` now; the flag would only stop DeepSpeed's dtype cast.
             model.is_quantized = False
@@ -103,7 +106,7 @@ class DeepSpeedInferenceBackend(Backend):
         for name, original in rope.items():
             owner, _, attr = name.rpartition(".")
             self.model.get_submodule(owner.removeprefix("module.")).register_buffer(attr, original, persistent=False)
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = Tokenizer(path if path.suffix != ".json" else default_model_path())
         self.max_model_len = model.config.max_position_embeddings
         eos = model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -251,3 +254,13 @@ class DeepSpeedInferenceBackend(Backend):
         job.emit(GenerationChunk(text=text, token_ids=[sampled.token_id], logprobs=logprobs, finish_reason=reason,
                                  usage=Usage(seq.num_prompt, seq.num_output) if reason else None))
         return reason
+
+
+def _dummy_model(path: Path, dtype: torch.dtype):
+    """A transformers model of the shape ``path`` describes (a config.json, or a directory holding one) with
+    random weights, built where it will run (the GPU when there is one): no checkpoint is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

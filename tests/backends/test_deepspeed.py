@@ -125,3 +125,31 @@ def test_deepspeed_inference_keeps_rope_frequencies_in_fp32_under_bf16():
     rope, weights, chunks = asyncio.run(main())
     assert rope and set(rope.values()) == {torch.float32} and weights == {torch.bfloat16}
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+
+
+def test_deepspeed_inference_serves_random_weights_of_a_bare_config(tmp_path):
+    """load_format dummy (vLLM's name): the shape of a config.json, no checkpoint read, the embedded tokenizer."""
+    import json
+
+    from backends.deepspeed_inference import DeepSpeedConfig, DeepSpeedInferenceBackend
+
+    config = tmp_path / "tiny-llama.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                                  "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+
+    async def main():
+        backend = DeepSpeedInferenceBackend("ds", DeepSpeedConfig(model_path=str(config), load_format="dummy"))
+        await backend.start()
+        try:
+            request = GenerationRequest("r", "ds", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                        prompt="Hello there")
+            chunks = [c async for c in backend.stream(request)]
+            return backend.model.config, backend.max_model_len, chunks
+        finally:
+            await backend.close()
+
+    shape, max_model_len, chunks = asyncio.run(main())
+    assert (shape.num_hidden_layers, shape.hidden_size, max_model_len) == (2, 64, 256)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == 2  # "Hello there" in the embedded SmolLM2 tokenizer
