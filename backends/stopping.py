@@ -81,6 +81,11 @@ class StopChecker:
         if hit:
             self.stop_reason = self.strings.hit
             return text, "stop"
-        if self.num_output >= self.max_tokens or num_tokens >= self.max_model_len:
+        if self.ends_by_length(self.num_output, num_tokens):
             return text + self.strings.flush(), "length"
         return text, None
+
+    def ends_by_length(self, num_output: int, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens (prompt + output), ``num_output`` of them generated, has
+        reached its length limit, whatever its last token."""
+        return num_output >= self.max_tokens or num_tokens >= self.max_model_len

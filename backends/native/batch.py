@@ -24,6 +24,8 @@ class Batch:
     # whether every query token of the sequence feeds the LM head (prompt logprobs), not only a sampled last
     all_logits: list[bool] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, first
+    # async scheduling: (row of token_ids, index in the previous step's picks) of tokens not on the host yet
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
 
     def logits_rows(self) -> list[range]:
         """For each sequence, its rows in the step's logits (all its tokens, its last, or none)."""

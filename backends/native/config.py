@@ -52,6 +52,8 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1)  # None: CPU affinity capped by the cgroup quota
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # every step through the torch modules: no CUDA graphs, no fused CPU steps (vLLM's name)
+    # schedule the next step while the GPU runs this one (vLLM's --async-scheduling); None: on CUDA (scheduler.py)
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
     # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are
@@ -91,6 +93,14 @@ class EngineConfig(BaseModel):
         if self.block_size is not None:
             return self.block_size
         return 16 if device.type == "cuda" else 64
+
+    def overlaps_steps(self, device: torch.device) -> bool:
+        """``async_scheduling`` resolved: on by default where the model runs asynchronously to the host (CUDA);
+        on the CPU the host computes the step itself, so there is nothing to overlap. One process only: the
+        tensor-parallel workers take the batch's token ids from rank 0's host lists."""
+        if self.tensor_parallel_size > 1:
+            return False
+        return self.async_scheduling if self.async_scheduling is not None else device.type == "cuda"
 
     def torch_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """``kv_cache_dtype`` resolved for a model computing in ``dtype``."""

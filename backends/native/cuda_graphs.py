@@ -64,12 +64,12 @@ class DecodeGraphs:
         return (batch.is_decode_only and len(batch.token_ids) <= self.sizes[-1] and all(batch.sample)
                 and not any(batch.all_logits))
 
-    def run(self, batch: Batch) -> torch.Tensor | None:
-        """fp32 logits [n, vocab] of a decode-only batch of ``n`` sequences (None on tensor-parallel ranks
-        other than 0)."""
+    def run(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [n, vocab] of a decode-only batch of ``n`` sequences, whose token ids on the device are
+        ``input_ids`` (None on tensor-parallel ranks other than 0)."""
         n = len(batch.token_ids)
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(torch.tensor(batch.token_ids), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(torch.tensor(batch.positions), non_blocking=True)
         self.attention.fill_decode_metadata(self.meta, batch, size)
         self.graphs[size].replay()

@@ -29,8 +29,8 @@ from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
 from backends.native.openmp import release_thread_pool
-from backends.native.sampler import ranked, sample, token_logprob, token_logprobs
-from backends.native.scheduler import Scheduler, Update
+from backends.native.sampler import picks, ranked, sample, sample_tokens, token_logprob, token_logprobs
+from backends.native.scheduler import ScheduledStep, Scheduler, Update
 from backends.native.sequence import Sequence
 from backends.native.structured_output import GrammarCompiler, new_matcher
 from backends.native.weights import default_model_path, open_checkpoint
@@ -65,6 +65,8 @@ class LLMEngine:
             self.runner = ModelRunner(config, checkpoint, self.max_model_len)
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
+        self.overlap_steps = config.overlaps_steps(self.runner.device)  # async scheduling (step())
+        self._in_flight: tuple[ScheduledStep, torch.Tensor] | None = None  # launched, tokens not applied yet
         eos = set(checkpoint.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -80,7 +82,8 @@ class LLMEngine:
                  "%d, kernels: %s%s", model_path.name, self.runner.device, self.runner.dtype, config.dtype,
                  self.blocks.num_blocks, self.blocks.block_size, self.blocks.num_blocks * self.blocks.block_size,
                  self.runner.kv_dtype,
-                 self.max_model_len, self.runner.kernels.describe(), ", CUDA graphs" if self.runner.graphs else "")
+                 self.max_model_len, self.runner.kernels.describe(),
+                 (", CUDA graphs" if self.runner.graphs else "") + (", async scheduling" if self.overlap_steps else ""))
         if config.warmup:
             self.warm_up()
         # The thread that built the engine may never step it (AsyncEngine steps in its own): its parked
@@ -172,7 +175,7 @@ class LLMEngine:
         return list(self._requests)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @property
     def alive(self) -> bool:
@@ -185,14 +188,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; (request id, chunk) for every request that got a token."""
+        """Run one batch; (request id, chunk) for every request that got a token. With async scheduling, the
+        batch is launched and the previous one's tokens come back: a step's outputs arrive with the next call,
+        the host's bookkeeping overlapping the device's work. Requests that need each token on the host before
+        the next step is scheduled (``_overlappable``) run synchronously, the step in flight finished first."""
+        if self.overlap_steps and self._overlappable():
+            return self._launch_step()
+        return self._finish_in_flight() + self._sync_step()
+
+    def _sync_step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
         batch = scheduled.batch
         logits = self.runner.execute(batch)
-        self.prompt_tokens_total += sum(min(n, max(s.num_prompt - s.num_computed, 0))
-                                        for s, n in zip(scheduled.seqs, scheduled.num_tokens))
+        self._count_prompt_tokens(scheduled)
         sample_rows = []
         for seq, rows, samples, all_rows in zip(scheduled.seqs, batch.logits_rows(), batch.sample,
                                                 batch.all_logits):
@@ -204,7 +214,41 @@ class LLMEngine:
         if sample_rows != list(range(logits.shape[0])):
             logits = logits[sample_rows]
         sampled = sample(logits, sampling, self.eos_token_ids) if sampling else []
-        updates = self.scheduler.postprocess(scheduled, sampled)
+        return self._outputs(self.scheduler.postprocess(scheduled, sampled))
+
+    def _launch_step(self) -> list[RequestOutput]:
+        """Schedule and launch a step over the placeholders of the one in flight, then finish that one."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return self._finish_in_flight()
+        previous = self._in_flight[1] if self._in_flight is not None else None
+        logits = self.runner.execute(scheduled.batch, previous)
+        self._count_prompt_tokens(scheduled)
+        tokens, _ = sample_tokens(logits, scheduled.sampling, self.eos_token_ids)  # every row samples (no forks)
+        outputs = self._finish_in_flight()
+        self.scheduler.advance(scheduled, pending=True)
+        self._in_flight = (scheduled, tokens)
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Bring the step in flight's tokens to the host (waiting for its device work) and apply them."""
+        if self._in_flight is None:
+            return []
+        scheduled, tokens = self._in_flight
+        self._in_flight = None
+        return self._outputs(self.scheduler.resolve(scheduled, picks(tokens, None, scheduled.sampling)))
+
+    def _overlappable(self) -> bool:
+        """Whether every live sequence can be scheduled before its last token is on the host: no logprobs,
+        penalties, min_tokens, logit_bias, grammar or parallel samples (those read tokens on the host)."""
+        return all(_needs_no_host_tokens(s.params) for s in self.scheduler.running) and \
+            all(_needs_no_host_tokens(s.params) for s in self.scheduler.waiting)
+
+    def _count_prompt_tokens(self, scheduled: ScheduledStep) -> None:
+        self.prompt_tokens_total += sum(min(n, max(s.num_prompt - s.num_computed, 0))
+                                        for s, n in zip(scheduled.seqs, scheduled.num_tokens))
+
+    def _outputs(self, updates: list[Update]) -> list[RequestOutput]:
         self.generation_tokens_total += len(updates)
         outputs = [self._output(u) for u in updates]
         for u in updates:  # a request is done when its last sequence is
@@ -262,7 +306,7 @@ class LLMEngine:
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
-                "cuda_graphs": runner.graphs is not None,
+                "cuda_graphs": runner.graphs is not None, "async_scheduling": self.overlap_steps,
                 "fused_steps": runner.fused is not None}  # CPU steps in one C call (fused_step.py)
 
     def stats(self) -> EngineStats:
@@ -279,11 +323,18 @@ class LLMEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{self._offline_ids + i}" for i in range(len(prompts))]
         self._offline_ids += len(prompts)
-        for rid, prompt, p in zip(ids, prompts, plist):
+        for prompt, p in zip(prompts, plist):  # all checked before any is queued: a bad one leaves nothing behind
             self.check_request(prompt, p)
+        for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p, self.compile_grammar(p.structured) if p.structured else None)
         folded = {(rid, i): GenerationChunk(index=i) for rid, p in zip(ids, plist) for i in range(p.n)}
         while self.has_unfinished():
             for rid, chunk in self.step():
                 folded[rid, chunk.index].extend(chunk)
         return list(folded.values())
+
+
+def _needs_no_host_tokens(p: SamplingParams) -> bool:
+    return (p.n == 1 and p.logprobs is None and p.prompt_logprobs is None and p.structured is None
+            and p.min_tokens == 0 and not p.logit_bias and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0)

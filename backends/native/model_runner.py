@@ -183,14 +183,24 @@ class ModelRunner:
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def _token_ids(self, batch: Batch, values: list[int], previous: torch.Tensor | None) -> torch.Tensor:
+        """``values`` (the batch's token ids, maybe padded) on the device, with the picks of the step before
+        that the host has not seen yet written in: ``batch.placeholders`` are (row, index into ``previous``)."""
+        ids = self._ids(values)
+        if batch.placeholders:
+            rows, picks = zip(*batch.placeholders)
+            ids[self._ids(list(rows))] = previous[self._ids(list(picks))]
+        return ids
+
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> torch.Tensor | None:
+    def execute(self, batch: Batch, previous: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step; returns fp32 logits [rows, vocab], the rows of ``batch.logits_rows()`` (on rank 0;
-        None on other ranks)."""
+        None on other ranks). ``previous``: the token picks of the step before, on the device, where
+        ``batch.placeholders`` takes tokens from (async scheduling)."""
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, self._token_ids(batch, batch.token_ids, previous))
         attention = self.kernels.attention
         meta = attention.build(batch)
         fused = self.fused is not None and self.fused.can_run(batch)
@@ -199,6 +209,6 @@ class ModelRunner:
             padding = [] if fused else [0] * (padded_rows(len(ids)) - len(ids))
             ids, positions = ids + padding, positions + padding
             attention.pad(meta, len(ids), padded_rows(logits_rows))
-        ids, positions = self._ids(ids), self._ids(positions)
+        ids, positions = self._token_ids(batch, ids, previous), self._ids(positions)
         logits = self.fused.run(ids, positions, meta) if fused else self.model(ids, positions, self.kv_caches, meta)
         return logits if logits is None else logits[:logits_rows]

@@ -6,12 +6,19 @@ their prompts chunked to fit. When blocks run out the newest running sequence is
 are freed and it is recomputed later from its tokens (vLLM's RECOMPUTE policy). The other samples of a
 request with ``n`` > 1 join the batch when its prompt is computed (``Sequence.forks``): they share its
 blocks and sample their first token from the same logits.
+
+After a step, ``advance`` records what it computed and ``resolve`` what it sampled (``postprocess``: both).
+With async scheduling (vLLM's) the engine calls ``advance`` as soon as a step is launched and ``resolve``
+one step later: each sampling sequence then ends with a placeholder token (``Sequence.pending``), the next
+step is scheduled over it and reads the real token from the device (``Batch.placeholders``), and the stop
+rules run while the GPU computes. A sequence that stopped in step N was scheduled in step N+1 too: that
+token is dropped. One whose placeholder is its last token by length is not scheduled again.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backends.base import FinishReason
 from backends.native.batch import Batch
@@ -19,6 +26,8 @@ from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.sampler import Sampled
 from backends.native.sequence import Sequence, Status
+
+PLACEHOLDER = -1  # a token still on the device (async scheduling): never hashed, replaced before the model reads it
 
 
 @dataclass
@@ -28,17 +37,16 @@ class ScheduledStep:
     seqs: list[Sequence]
     num_tokens: list[int]
     batch: Batch
+    # The sequences that get a new token from this step, in batch order; the waiting forks of a prompt
+    # computed by this step follow it (they sample from its logits row). Fixed when scheduled.
+    sampling: list[Sequence] = field(init=False)
 
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that get a new token from this step, in batch order; the waiting forks of a prompt
-        computed by this step follow it (they sample from its logits row)."""
-        out = []
+    def __post_init__(self) -> None:
+        self.sampling = []
         for seq, sample in zip(self.seqs, self.batch.sample):
             if sample:
-                out.append(seq)
-                out.extend(seq.forks)
-        return out
+                self.sampling.append(seq)
+                self.sampling.extend(seq.forks)
 
 
 @dataclass
@@ -96,6 +104,8 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.pending is not None and seq.stop.ends_by_length(seq.num_output, seq.num_tokens):
+                continue  # its in-flight token is its last: nothing more to compute
             n = min(seq.num_uncomputed, budget)
             while not self.blocks.allocate(seq, n):
                 victim = self.running[-1]
@@ -145,10 +155,13 @@ class Scheduler:
     def _batch(self, seqs: list[Sequence], chosen: dict[Sequence, int]) -> Batch:
         bs = self.blocks.block_size
         token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits = [], [], [], [], [], [], [], []
+        placeholders: list[tuple[int, int]] = []
         for seq in seqs:
             n, start = chosen[seq], seq.num_computed
             table = seq.block_table
             if n == 1:  # a decode: most of a large batch
+                if seq.pending is not None:  # its token is the in-flight step's pick, still on the device
+                    placeholders.append((len(token_ids), seq.pending))
                 token_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -163,26 +176,38 @@ class Scheduler:
             # Prompt logprobs: every position of a chunk that predicts prompt tokens not collected yet.
             all_logits.append(seq.prompt_logprobs is not None and start + n > len(seq.prompt_logprobs) - 1
                               and len(seq.prompt_logprobs) < seq.num_prompt)
-        return Batch(token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits)
+        return Batch(token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits, placeholders=placeholders)
 
     def postprocess(self, step: ScheduledStep, sampled: list[Sampled]) -> list[Update]:
-        """Everything a finished step changes, in one place: computed tokens advance (and full blocks enter
-        the prefix cache), a computed prompt's forks join with its blocks shared, each sampling sequence
-        gets its token (``sampled``, in ``step.sampling`` order) and its grammar advances, the stop rules
-        decide whether it ends, and ended sequences give their blocks back."""
-        updates, picks = [], iter(sampled)
+        """Everything a finished step changes, in one place: ``advance`` then ``resolve``."""
+        self.advance(step)
+        return self.resolve(step, sampled)
+
+    def advance(self, step: ScheduledStep, pending: bool = False) -> None:
+        """What a step computed: computed tokens advance (and full blocks enter the prefix cache), a computed
+        prompt's forks join with its blocks shared; with ``pending`` (async scheduling) each sampling sequence
+        gets a placeholder for its token, the index of its pick. Sequences that ended meanwhile are left out."""
         for seq, n, samples in zip(step.seqs, step.num_tokens, step.batch.sample):
+            if seq.status is Status.FINISHED:
+                continue  # stopped by the step before (async scheduling) or aborted
             seq.num_computed += n
-            self.blocks.register_full_blocks(seq)
-            if not samples:
-                continue
-            group = [seq, *seq.forks]
-            for fork in seq.forks:
-                self._fork(seq, fork)
-            seq.forks = []
-            for member in group:
-                updates.append(self._append(member, next(picks)))
-        return updates
+            self.blocks.register_full_blocks(seq)  # before a placeholder: every hashed token is real
+            if samples:
+                for fork in seq.forks:
+                    self._fork(seq, fork)
+                seq.forks = []
+        if pending:
+            for i, seq in enumerate(step.sampling):
+                if seq.status is not Status.FINISHED:
+                    seq.token_ids.append(PLACEHOLDER)
+                    seq.pending = i
+
+    def resolve(self, step: ScheduledStep, sampled: list[Sampled]) -> list[Update]:
+        """What a step sampled (``sampled``, in ``step.sampling`` order): each sequence gets its token (in
+        place of its placeholder) and its grammar advances, the stop rules decide whether it ends, and ended
+        sequences give their blocks back. Sequences that ended meanwhile drop theirs."""
+        return [self._append(seq, pick) for seq, pick in zip(step.sampling, sampled)
+                if seq.status is not Status.FINISHED]
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         self.blocks.fork(parent, child)
@@ -193,11 +218,17 @@ class Scheduler:
         self.running.append(child)
 
     def _append(self, seq: Sequence, pick: Sampled) -> Update:
-        seq.token_ids.append(pick.token_id)
+        if seq.pending is not None:
+            seq.token_ids[-1], seq.pending = pick.token_id, None
+        else:
+            seq.token_ids.append(pick.token_id)
         text, reason = seq.stop.add(pick.token_id, seq.num_tokens)
         if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(pick.token_id):
             reason = reason or "abort"  # the grammar allowed no token (e.g. all masked): nothing valid can follow
         if reason is not None:
-            self.running.remove(seq)
+            if seq.status is Status.RUNNING:
+                self.running.remove(seq)
+            elif seq in self.waiting:  # preempted while its token was in flight
+                self.waiting.remove(seq)
             self._finish(seq, reason)
         return Update(seq, pick, text, reason)

@@ -40,6 +40,8 @@ class Sequence:
     grammar: Any = None  # xgrammar GrammarMatcher of a structured output, advanced token by token
     forks: list[Sequence] = field(default_factory=list)  # siblings waiting for this one's prompt
     prompt_logprobs: list | None = None  # per prompt token, collected while prefilling (None: not asked)
+    # async scheduling: the last token is a placeholder for the in-flight step's pick of this index (scheduler.py)
+    pending: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
