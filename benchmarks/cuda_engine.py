@@ -34,6 +34,7 @@ from backends.base import SamplingParams  # noqa: E402
 from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
 from backends.native.engine import LLMEngine  # noqa: E402
+from backends.native.transfers import PendingPicks  # noqa: E402
 from backends.native.weights import default_model_path  # noqa: E402
 
 
@@ -81,6 +82,18 @@ def decode_batch(engine: LLMEngine, contexts: list[int]) -> Batch:
                  tables, [True] * len(contexts))
 
 
+def prefill_batch(engine: LLMEngine, n: int, length: int) -> Batch:
+    """A step prefilling ``n`` fresh prompts of ``length`` tokens in blocks of their own."""
+    bs, tables, next_block = engine.blocks.block_size, [], 0
+    for _ in range(n):
+        need = -(-length // bs)
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+    ids = [7 + (i % 1000) for i in range(length)]
+    return Batch(ids * n, list(range(length)) * n, [t[p // bs] * bs + p % bs for t in tables for p in range(length)],
+                 [length] * n, [length] * n, tables, [True] * n)
+
+
 def step_times(engine: LLMEngine, batch: Batch) -> dict[str, float]:
     """Decode step seconds with the engine's CUDA graphs and eagerly."""
     runner = engine.runner
@@ -122,7 +135,10 @@ def engine_burst(engine: LLMEngine, prompts: list[list[int]], output_len: int,
                  phases: dict[str, dict[str, float]] | None = None) -> float:
     """Output tok/s of one burst through ``engine.generate``; with ``phases``, the seconds spent in each part
     of the step loop are added to it, by kind of step (``decode``: decodes only, replayed from CUDA graphs;
-    ``prefill``: steps with a prefill chunk). The GPU's time shows in ``execute``: it is synchronised there."""
+    ``prefill``: steps with a prefill chunk). Synchronous steps wait for the GPU in ``execute`` (synchronised
+    there, so that it holds the GPU's time); with async scheduling nothing is synchronised, the launches are
+    host time and the wait for the GPU shows where a step's picks come back to the host (``tolist``), booked
+    to the step launched just before."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     timed = _time_phases(engine, phases) if phases is not None else []
     _synchronize()
@@ -157,12 +173,36 @@ def _time_phases(engine: LLMEngine, phases: dict[str, dict[str, float]]) -> list
             return out
         return run
 
-    targets = [(engine.scheduler, "schedule", False), (engine.runner, "execute", True),
-               (engine_module, "sample", False), (engine.scheduler, "postprocess", False)]
+    if engine.overlap_steps:
+        targets = [(engine.scheduler, "schedule", False), (engine.runner, "execute", False),
+                   (engine_module, "sample_tokens", False), (PendingPicks, "tolist", False),
+                   (engine.scheduler, "resolve", False), (engine.scheduler, "advance", False)]
+    else:
+        targets = [(engine.scheduler, "schedule", False), (engine.runner, "execute", True),
+                   (engine_module, "sample", False), (engine.scheduler, "postprocess", False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     for owner, name, sync in targets:
         setattr(owner, name, timer(name, getattr(owner, name), sync))
     return saved
+
+
+def kernel_profile(engine: LLMEngine, batch: Batch, rows: int = 15) -> list[dict]:
+    """The GPU kernels of one eager step of ``batch``, by total time (torch.profiler): where a step's time
+    goes, for the next kernel to write."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, graphs = engine.runner, engine.runner.graphs
+    runner.graphs = None
+    try:
+        runner.execute(batch)
+        _synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(batch)
+            _synchronize()
+    finally:
+        runner.graphs = graphs
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:rows]
+    return [{"kernel": e.key[:120], "calls": e.count, "us": e.device_time_total} for e in events]
 
 
 def hf_burst(model, prompts: list[list[int]], output_len: int) -> float:
@@ -204,6 +244,9 @@ def smollm2(requests: int, input_len: int, output_len: int, seed: int, rounds: i
         if i == 0 and engine.runner.graphs is not None:
             result["decode_step"] = {n: step_times(engine, decode_batch(engine, [input_len + output_len // 2] * n))
                                      for n in (1, 64, min(256, requests))}
+            result["kernels"] = {
+                "decode": kernel_profile(engine, decode_batch(engine, [input_len + output_len // 2] * requests)),
+                "prefill": kernel_profile(engine, prefill_batch(engine, min(16, requests), input_len))}
         del engine
         torch.cuda.empty_cache()
     path = default_model_path()

@@ -84,8 +84,12 @@ def part_smollm2(args) -> dict:
     from cuda_engine import smollm2
 
     input_len, output_len = (32, 8) if REHEARSAL else (512, 128)
-    return smollm2(args.requests, input_len, output_len, seed=0, rounds=2, dummy=model_config("smollm2", args.out),
-                   device=DEVICE)
+    variants = {"engine": {}, "engine_sync": {"async_scheduling": False},
+                "engine_eager": {"enforce_eager": True, "async_scheduling": False}}
+    if REHEARSAL:  # async scheduling is off on the CPU unless asked for
+        variants["engine"] = {"async_scheduling": True}
+    return smollm2(args.requests, input_len, output_len, seed=0, rounds=3, variants=variants,
+                   dummy=model_config("smollm2", args.out), device=DEVICE)
 
 
 def part_steps(args) -> dict:
@@ -179,7 +183,7 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
     (sequences, prompt tokens; fresh) and decode steps of ``decodes`` (sequences, context), each against its
     roofline; decode steps replayed from CUDA graphs where one holds the batch, as the engine runs them."""
 
-    from cuda_engine import cuda_time, decode_batch
+    from cuda_engine import cuda_time, decode_batch, prefill_batch
 
     from backends.native.config import EngineConfig
     from backends.native.engine import LLMEngine
@@ -198,7 +202,7 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
     for n, length in prefills:
         if n * length > capacity:
             continue
-        batch = _prefill_batch(engine, n, length)
+        batch = prefill_batch(engine, n, length)
         seconds = cuda_time(lambda: runner.execute(batch), repeats=10)
         attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * length * (length + 1) / 2
         flops = 2 * n * length * layer_weights + 2 * n * head_weights + attention
@@ -220,21 +224,6 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
     result["goals"] = {"prefill_share_of_matmul_peak": max(prefill, default=None), "prefill_goal": 0.60,
                        "decode_share_at_batch_64_plus": min(decode, default=None), "decode_goal": 0.70}
     return result
-
-
-def _prefill_batch(engine, n: int, length: int):
-    """A step prefilling ``n`` fresh prompts of ``length`` tokens in blocks of their own."""
-    from backends.native.batch import Batch
-
-    bs, tables, next_block = engine.blocks.block_size, [], 0
-    for _ in range(n):
-        need = -(-length // bs)
-        tables.append(list(range(next_block, next_block + need)))
-        next_block += need
-    ids = [7 + (i % 1000) for i in range(length)]
-    return Batch(ids * n, list(range(length)) * n,
-                 [t[p // bs] * bs + p % bs for t in tables for p in range(length)],
-                 [length] * n, [length] * n, tables, [True] * n)
 
 
 def burst_roofline(config: Path, engine: dict, device: dict, requests: int, input_len: int, output_len: int) -> dict:
@@ -395,8 +384,9 @@ def summary_lines(record: dict) -> list[str]:
     else:
         line("device", "")
     if s := ok("smollm2"):
-        line("smollm2", f"engine {s['engine_tok_s']:.0f} tok/s (eager {s.get('engine_eager_tok_s', math.nan):.0f}), "
-                        f"transformers {s['transformers_tok_s']:.0f} -> {s['engine_vs_transformers']:.1f}x")
+        line("smollm2", f"engine {s['engine_tok_s']:.0f} tok/s (synchronous {s.get('engine_sync_tok_s', math.nan):.0f}, "
+                        f"eager {s.get('engine_eager_tok_s', math.nan):.0f}), transformers {s['transformers_tok_s']:.0f}"
+                        f" -> {s['engine_vs_transformers']:.1f}x")
     else:
         line("smollm2", "")
     if s := ok("steps"):

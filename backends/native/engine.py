@@ -29,10 +29,11 @@ from backends.native.config import EngineConfig
 from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
 from backends.native.openmp import release_thread_pool
-from backends.native.sampler import picks, ranked, sample, sample_tokens, token_logprob, token_logprobs
+from backends.native.sampler import Sampled, ranked, sample, sample_tokens, token_logprob, token_logprobs
 from backends.native.scheduler import ScheduledStep, Scheduler, Update
 from backends.native.sequence import Sequence
 from backends.native.structured_output import GrammarCompiler, new_matcher
+from backends.native.transfers import PendingPicks
 from backends.native.weights import default_model_path, open_checkpoint
 from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -66,7 +67,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.overlap_steps = config.overlaps_steps(self.runner.device)  # async scheduling (step())
-        self._in_flight: tuple[ScheduledStep, torch.Tensor] | None = None  # launched, tokens not applied yet
+        self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
         eos = set(checkpoint.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -221,22 +222,23 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return self._finish_in_flight()
-        previous = self._in_flight[1] if self._in_flight is not None else None
+        previous = self._in_flight[1].device if self._in_flight is not None else None
         logits = self.runner.execute(scheduled.batch, previous)
         self._count_prompt_tokens(scheduled)
         tokens, _ = sample_tokens(logits, scheduled.sampling, self.eos_token_ids)  # every row samples (no forks)
+        pending = PendingPicks(tokens)
         outputs = self._finish_in_flight()
         self.scheduler.advance(scheduled, pending=True)
-        self._in_flight = (scheduled, tokens)
+        self._in_flight = (scheduled, pending)
         return outputs
 
     def _finish_in_flight(self) -> list[RequestOutput]:
         """Bring the step in flight's tokens to the host (waiting for its device work) and apply them."""
         if self._in_flight is None:
             return []
-        scheduled, tokens = self._in_flight
+        scheduled, pending = self._in_flight
         self._in_flight = None
-        return self._outputs(self.scheduler.resolve(scheduled, picks(tokens, None, scheduled.sampling)))
+        return self._outputs(self.scheduler.resolve(scheduled, [Sampled(t) for t in pending.tolist()]))
 
     def _overlappable(self) -> bool:
         """Whether every live sequence can be scheduled before its last token is on the host: no logprobs,

@@ -24,6 +24,7 @@ from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.row_buckets import padded_rows, warm_up_linears
+from backends.native.transfers import to_device
 from backends.native.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class ModelRunner:
 
     # --------------------------------------------------------------------------------------- step
     def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, torch.int64, self.device)
 
     def _token_ids(self, batch: Batch, values: list[int], previous: torch.Tensor | None) -> torch.Tensor:
         """``values`` (the batch's token ids, maybe padded) on the device, with the picks of the step before

@@ -19,6 +19,7 @@ import torch
 from backends.base import TokenLogprob
 from backends.native.sequence import Sequence
 from backends.native.structured_output import apply_grammar_bitmasks
+from backends.native.transfers import to_device
 from backends.tokenizer import Tokenizer
 
 
@@ -123,34 +124,37 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    device, shaped = logits.device, logits  # the logits after penalties, for rows that lose all their mass
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=device).unsqueeze(1)
-    if (temps != 1).any():
-        logits = logits / temps
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs], device=device)
-    if (top_k < logits.shape[1]).any():
+    """One draw per row. Which filters apply is read from the parameters on the host, never from device
+    tensors, so that a draw on a GPU queues its work without waiting for it (async scheduling)."""
+    device, vocab, shaped = logits.device, logits.shape[1], logits  # shaped: after penalties, for lost rows
+    params = [s.params for s in seqs]
+    if any(p.temperature != 1 for p in params):
+        logits = logits / to_device([p.temperature for p in params], logits.dtype, device).unsqueeze(1)
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype, device=device).unsqueeze(1)
-    if (top_p < 1).any():
+    if any(p.top_p < 1 for p in params):
+        top_p = to_device([p.top_p for p in params], probs.dtype, device).unsqueeze(1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype, device=device).unsqueeze(1)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], probs.dtype, device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     # Drawn on the CPU, where seeded requests' generators live: a seed gives the same tokens on any device.
     u = torch.rand(len(seqs), 1, dtype=torch.float64)
     for i, seq in enumerate(seqs):
         if seq.generator is not None:
             u[i] = torch.rand((), dtype=torch.float64, generator=seq.generator)
-    picked, total = _inverse_cdf(probs, u.to(device))
+    picked, total = _inverse_cdf(probs, u.to(device, non_blocking=True))
     # A row whose mass is gone (a repetition penalty or top_p so small that every probability is 0, inf
-    # or NaN) takes its most likely token, not an index past the vocabulary that fails the whole step.
+    # or NaN) takes its most likely token, not an index past the vocabulary that fails the whole step. On a
+    # GPU the fallback is computed for every row rather than asking the device whether any row needs it.
     lost = ~torch.isfinite(total) | (total <= 0)
-    if lost.any():
+    if logits.is_cuda or lost.any():
         picked = torch.where(lost.squeeze(1), shaped.nan_to_num(nan=float("-inf")).argmax(dim=-1), picked)
     return picked
 

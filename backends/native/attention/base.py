@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.native.batch import Batch
+from backends.native.transfers import to_device
 
 
 @dataclass
@@ -60,7 +61,7 @@ class AttentionBackend(abc.ABC):
         meta.logits_indices = torch.cat([indices, indices.new_zeros(logits_rows - len(indices))])
 
     def int64(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return to_device(values, torch.int64, self.device)
 
     def common(self, batch: Batch) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """(flat start of each sequence's queries, slot mapping, logits indices) of ``batch``."""

@@ -14,6 +14,7 @@ import torch
 from backends.native.attention.base import AttentionBackend, StepMetadata, pad_tables
 from backends.native.attention.triton_kernels import paged_attention
 from backends.native.batch import Batch
+from backends.native.transfers import to_device
 
 
 @dataclass
@@ -41,9 +42,9 @@ class TritonAttention(AttentionBackend):
     def build(self, batch: Batch) -> TritonMetadata:
         starts, slots, logits_indices = self.common(batch)
         i32 = dict(dtype=torch.int32, device=self.device)
-        return TritonMetadata(slots, logits_indices, torch.tensor(pad_tables(batch.block_tables), **i32),
-                              torch.tensor([*starts, len(batch.token_ids)], **i32),
-                              torch.tensor(batch.context_lens, **i32), max(batch.query_lens))
+        return TritonMetadata(slots, logits_indices, to_device(pad_tables(batch.block_tables), **i32),
+                              to_device([*starts, len(batch.token_ids)], **i32),
+                              to_device(batch.context_lens, **i32), max(batch.query_lens))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale):
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens,

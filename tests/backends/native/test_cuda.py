@@ -1,7 +1,7 @@
 """The native engine on a CUDA device keeps every guarantee of the CPU path: SmolLM2's greedy tokens equal
 transformers' on the same device in fp32 (CUDA graphs and eager, prefix caching, chunked prefill,
-preemption), bf16 logits within bf16 rounding of transformers' bf16, graph replays equal to eager
-steps, and a KV cache sized from ``gpu_memory_utilization``.
+preemption, with async scheduling and without), bf16 logits within bf16 rounding of transformers' bf16,
+graph replays equal to eager steps, and a KV cache sized from ``gpu_memory_utilization``.
 
 Skipped without a GPU; on one: ``make test-cuda`` (the attention kernels' own checks against plain
 attention run on the device in the same command: attention/test_backends.py).
@@ -66,6 +66,7 @@ def _assert_idle(engine: LLMEngine) -> None:
 def test_the_engine_runs_on_the_gpu_with_the_triton_kernel_and_graphs(smollm2_tokenizer):
     engine = _engine(smollm2_tokenizer, device="auto", dtype="auto")
     assert engine.runner.device.type == "cuda" and engine.runner.dtype == torch.bfloat16
+    assert engine.overlap_steps  # async scheduling
     assert type(engine.runner.kernels.attention).__name__ == "TritonAttention"
     assert engine.runner.graphs is not None and engine.runner.graphs.sizes == capture_sizes(64)
     assert engine.runner.kv_caches[0][0].is_cuda
@@ -78,7 +79,8 @@ def test_the_engine_runs_on_the_gpu_with_the_triton_kernel_and_graphs(smollm2_to
     dict(max_num_batched_tokens=50),  # chunked prefill, chunks not aligned to blocks
     dict(num_blocks=48, max_num_batched_tokens=97),  # forced preemption
     dict(kernels="torch"),  # the pure-torch attention path on the GPU
-], ids=["graphs", "eager", "no-prefix-cache", "chunked-50", "preemption", "torch-kernels"])
+    dict(async_scheduling=False),  # on by default on CUDA: each step's tokens on the host before the next
+], ids=["graphs", "eager", "no-prefix-cache", "chunked-50", "preemption", "torch-kernels", "synchronous"])
 def test_batched_greedy_equals_transformers_on_the_gpu(smollm2_tokenizer, prompts, reference, variant):
     engine = _engine(smollm2_tokenizer, **variant)
     assert _greedy(engine, prompts) == [tokens for tokens, _ in reference]
