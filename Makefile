@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test soak test-peers test-cuda install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -96,3 +96,16 @@ test-peers: install-dev peers
 # The CUDA-only tests (skipped elsewhere) and the attention kernels, on a machine with a GPU.
 test-cuda:
 	$(PY) -m pytest -q -p no:cacheprovider tests/backends/native/test_cuda.py tests/backends/native/attention
+
+# A lent GPU machine runs one prepared script (benchmarks/gpu_check.py): `make gpu-carry` here puts what its
+# image lacks into .gpu/ (wheels, SmolLM2 cut to fit the carry limit); the device tool carries .gpu and runs
+# `make gpu-check OUT=DIR` there (the image's python3, no venv). `make gpu-rehearse` runs it all here on the CPU.
+GPU_OUT ?= results/gpu_check
+gpu-carry: install-dev
+	$(PY) benchmarks/gpu_carry.py
+
+gpu-check:
+	bash benchmarks/gpu_check.sh --out $(GPU_OUT)
+
+gpu-rehearse: install-dev
+	$(PY) benchmarks/gpu_check.py --rehearse --out $(GPU_OUT)-rehearsal --requests 8 --peer-requests 4 --budget-s 900

@@ -25,9 +25,10 @@ Parts, in order of the default run:
   mii          DeepSpeed-MII (FastGen) behind its REST server through burstgate's ``mii`` kind (needs
                ``deepspeed-kernels`` and ``deepspeed-mii`` carried: ``gpu_carry.py --mii``)
 
-On the device (after ``python benchmarks/gpu_carry.py`` here; the tool carries ``.gpu``):
-    bash benchmarks/gpu_check.sh --out $OUT            # = make gpu-check OUT=$OUT
-    bash benchmarks/gpu_check.sh --out $OUT --parts smollm2,tests
+On the device (after ``make gpu-carry`` here; the tool carries ``.gpu``):
+    bash benchmarks/gpu_check.sh --out DIR             # = make gpu-check GPU_OUT=DIR
+    bash benchmarks/gpu_check.sh --out DIR --parts smollm2,tests
+Here, to check the script itself: ``make gpu-rehearse``.
 """
 
 from __future__ import annotations
@@ -358,10 +359,11 @@ def _run_in_process(name: str, args, limit: float) -> dict:
 
 
 def _commit() -> str | None:
+    """The checkout's commit; on a device machine, which gets a copy without .git, ``$BURSTGATE_COMMIT``."""
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-    return None
+    return os.environ.get("BURSTGATE_COMMIT")
 
 
 def summary_lines(record: dict) -> list[str]:
