@@ -4,8 +4,10 @@ The device machine has Python 3.12 with CUDA PyTorch, Triton and transformers, b
 web stack and no way to download. It receives the working tree plus carried folders, 64 MiB in all, so:
 
 - ``.gpu/whl/``: wheels for CPython 3.12 manylinux x86-64 of the packages in
-  ``benchmarks/gpu_requirements.txt`` (pinned), and DeepSpeed built here from its source package with no
-  compiled ops (its CUDA ops compile just in time on the device, with the device's nvcc);
+  ``benchmarks/gpu_requirements.txt`` (pinned);
+- ``.gpu/deepspeed/``: the peers' stack, one ``.tar.xz`` made by ``benchmarks/gpu_deepspeed_stack.sh``: DeepSpeed
+  with the CUDA ops its kernel injection and FastGen use prebuilt for the device (compiled just in time there
+  they take minutes of a 15-minute lease), and DeepSpeed-MII with its REST gateway's packages;
 - ``.gpu/model/``: the embedded SmolLM2 GGUF cut to its first ``--layers`` decoder layers (tensors as
   stored, metadata and tokenizer unchanged but the layer count). The whole file (98 MB) does not fit the
   carry limit; the CUDA parity tests compare our engine with transformers on the same file, which any
@@ -20,7 +22,6 @@ import argparse
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,24 +62,11 @@ def truncated_gguf(source: Path, layers: int, target: Path) -> None:
 def download_wheels(target: Path) -> None:
     """The pinned wheels for the device's CPython 3.12, without their dependencies (the image has the rest)."""
     pins = [line.split("#")[0].strip() for line in REQUIREMENTS.read_text().splitlines()]
-    pins = [p for p in pins if p and not p.startswith("deepspeed==")]
+    pins = [p for p in pins if p]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(target), *pins],
                    check=True)
-
-
-def deepspeed_wheel(target: Path) -> None:
-    """DeepSpeed from its source package as a wheel with no ops built (DS_BUILD_OPS=0): pure Python plus the
-    op sources, which it compiles on first use where CUDA is."""
-    pin = next(line.split("#")[0].strip() for line in REQUIREMENTS.read_text().splitlines()
-               if line.startswith("deepspeed=="))
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:", "-d", tmp,
-                        pin], check=True)
-        sdist = next(Path(tmp).glob("deepspeed-*.tar.gz"))
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                        str(target), str(sdist)], check=True, env={**__import__("os").environ, "DS_BUILD_OPS": "0"})
 
 
 def carried_bytes() -> int:
@@ -92,14 +80,16 @@ def carried_bytes() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of SmolLM2 kept for the parity tests")
-    parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out")
+    parser.add_argument("--deepspeed-stack", type=Path, metavar="TAR_XZ",
+                        help="the peers' stack benchmarks/gpu_deepspeed_stack.sh made (without it: no DeepSpeed, no MII)")
     args = parser.parse_args()
     shutil.rmtree(CARRY, ignore_errors=True)
     (CARRY / "whl").mkdir(parents=True)
     (CARRY / "model").mkdir()
     download_wheels(CARRY / "whl")
-    if not args.no_deepspeed:
-        deepspeed_wheel(CARRY / "whl")
+    if args.deepspeed_stack:
+        (CARRY / "deepspeed").mkdir()
+        shutil.copy(args.deepspeed_stack, CARRY / "deepspeed" / args.deepspeed_stack.name)
     model = CARRY / "model" / f"SmolLM2-135M-Instruct-{args.layers}-layers.gguf"
     truncated_gguf(default_model_path(), args.layers, model)
     total = carried_bytes()

@@ -63,13 +63,13 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, timeout_s: float = 600.0, proc: subprocess.Popen | None = None,
-               headers: dict | None = None) -> None:
+               headers: dict | None = None, path: str = "/v1/models") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2, headers=headers).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -138,14 +138,14 @@ def loadtest(target: str, out: Path, *options: str, cpus: str | None = None, log
 
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, env: dict | None = None, timeout_s: float = 600.0,
-            headers: dict | None = None, log: Path | None = None) -> Iterator[str]:
+            headers: dict | None = None, log: Path | None = None, ready_path: str = "/v1/models") -> Iterator[str]:
     """``cmd`` serving on 127.0.0.1:``port`` (output to ``log``, else discarded) while the block runs: yields its
-    URL once it answers ``/v1/models``; stopped when the block ends. ``env`` is added to this process's environment."""
+    URL once it answers ``ready_path``; stopped when the block ends. ``env`` is added to this process's environment."""
     url = f"http://127.0.0.1:{port}"
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
-        wait_ready(url, timeout_s, proc, headers)
+        wait_ready(url, timeout_s, proc, headers, ready_path)
         yield url
     finally:
         proc.terminate()
