@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -146,7 +147,10 @@ def engine_burst(engine: LLMEngine, prompts: list[list[int]], output_len: int,
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     for owner, name, original in timed:
-        setattr(owner, name, original)
+        if original is None:  # a method of the class: drop the instance's wrapper (no cycle keeps the engine)
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     assert all(len(o.token_ids) == output_len for o in outs)
     return len(prompts) * output_len / elapsed
 
@@ -180,7 +184,7 @@ def _time_phases(engine: LLMEngine, phases: dict[str, dict[str, float]]) -> list
     else:
         targets = [(engine.scheduler, "schedule", False), (engine.runner, "execute", True),
                    (engine_module, "sample", False), (engine.scheduler, "postprocess", False)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in targets]
     for owner, name, sync in targets:
         setattr(owner, name, timer(name, getattr(owner, name), sync))
     return saved
@@ -248,6 +252,7 @@ def smollm2(requests: int, input_len: int, output_len: int, seed: int, rounds: i
                 "decode": kernel_profile(engine, decode_batch(engine, [input_len + output_len // 2] * requests)),
                 "prefill": kernel_profile(engine, prefill_batch(engine, min(16, requests), input_len))}
         del engine
+        gc.collect()  # its KV cache (most of the GPU) before the next engine sizes its own
         torch.cuda.empty_cache()
     path = default_model_path()
     if dummy:
