@@ -177,6 +177,14 @@ class ServerCounter:
         return (await self._post("/detokenize", {"model": self.model, "tokens": ids}))["prompt"]
 
     async def _post(self, path: str, body: dict) -> dict:
+        try:
+            return await self._post_once(path, body)
+        except aiohttp.ServerDisconnectedError:
+            # The pooled connection was closed by the server unseen (its keep-alive ran out while this loop was
+            # busy building prompts): once more, on a fresh one; /tokenize and /detokenize change nothing.
+            return await self._post_once(path, body)
+
+    async def _post_once(self, path: str, body: dict) -> dict:
         async with self.session.post(self.url + path, json=body, headers=self.headers) as r:
             r.raise_for_status()
             return await r.json()

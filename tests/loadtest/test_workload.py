@@ -110,3 +110,20 @@ def test_the_server_counter_speaks_vllms_tokenize_routes(smollm2_tokenizer):
         specs = asyncio.run(main())
     for s in specs:
         assert len(smollm2_tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}])) == 50
+
+
+def test_the_server_counter_survives_a_connection_the_server_closed_while_the_client_was_busy(smollm2_tokenizer):
+    """Building 1000 prompts keeps the client's event loop busy for seconds (12 s on a GPU machine's host): the
+    server closes the idle keep-alive connection meanwhile, unseen, and the next /tokenize must not fail on it."""
+    import time
+
+    with serve_app(create_mock_app("m", tokenizer=smollm2_tokenizer), timeout_keep_alive=0.2) as url:
+        async def main():
+            async with aiohttp.ClientSession() as http:
+                counter = ServerCounter(http, url, "m", chat=False)
+                first = await counter.count("Hello there")
+                time.sleep(1.0)  # busy, not awaiting: the server's close is not read
+                return first, await counter.count("Hello there"), await counter.encode("Hello there")
+
+        first, again, ids = asyncio.run(main())
+    assert first == again and ids == smollm2_tokenizer.encode("Hello there", add_special_tokens=False)
