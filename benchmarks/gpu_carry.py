@@ -30,6 +30,7 @@ from backends.native.weights import default_model_path  # noqa: E402
 
 CARRY = ROOT / ".gpu"
 REQUIREMENTS = ROOT / "benchmarks" / "gpu_requirements.txt"
+DEVICE_PACKAGES = ROOT / "benchmarks" / "gpu_device_packages.txt"
 CARRY_LIMIT = 64 * 2**20  # the device tool's limit on everything that travels
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_34_x86_64"]
@@ -69,6 +70,48 @@ def download_wheels(target: Path) -> None:
                    check=True)
 
 
+def missing_requirements(wheels: Path) -> list[str]:
+    """Requirements that neither the device's image (benchmarks/gpu_device_packages.txt) nor a carried wheel
+    meets: burstgate's own (pyproject.toml, extras included, e.g. uvicorn[standard]) and, transitively, those of
+    every carried wheel, with their markers read for the device's CPython 3.12 on Linux."""
+    import tomllib
+    import zipfile
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    device = {canonicalize_name(line.strip()) for line in DEVICE_PACKAGES.read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    carried = {}
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            requires = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
+                        if line.startswith("Requires-Dist:")]
+        carried[canonicalize_name(parse_wheel_filename(wheel.name)[0])] = requires
+    environment = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
+                   "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
+    pending = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    missing, seen = set(), set()
+    while pending:
+        req = pending.pop()
+        name = canonicalize_name(req.name)
+        if (name, tuple(sorted(req.extras))) in seen:
+            continue
+        seen.add((name, tuple(sorted(req.extras))))
+        if name in device:
+            continue  # the image's own, with what it needs
+        if name not in carried:
+            missing.add(str(req))
+            continue
+        for text in carried[name]:
+            dep = Requirement(text)
+            if dep.marker is None or any(dep.marker.evaluate({**environment, "extra": e}) for e in req.extras or [""]):
+                pending.append(dep)
+    return sorted(missing)
+
+
 def carried_bytes() -> int:
     """Bytes the device tool would send: tracked files plus ``.gpu/``."""
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
@@ -79,7 +122,7 @@ def carried_bytes() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of SmolLM2 kept for the parity tests")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of SmolLM2 kept for the parity tests")
     parser.add_argument("--deepspeed-stack", type=Path, metavar="TAR_XZ",
                         help="the peers' stack benchmarks/gpu_deepspeed_stack.sh made (without it: no DeepSpeed, no MII)")
     args = parser.parse_args()
@@ -92,6 +135,8 @@ def main() -> None:
         shutil.copy(args.deepspeed_stack, CARRY / "deepspeed" / args.deepspeed_stack.name)
     model = CARRY / "model" / f"SmolLM2-135M-Instruct-{args.layers}-layers.gguf"
     truncated_gguf(default_model_path(), args.layers, model)
+    if missing := missing_requirements(CARRY / "whl"):
+        sys.exit(f"the device would lack {', '.join(missing)}: add them to {REQUIREMENTS.name}")
     total = carried_bytes()
     for f in sorted(CARRY.rglob("*")):
         if f.is_file():
