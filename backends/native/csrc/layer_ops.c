@@ -8,6 +8,7 @@
  * process's OpenMP threads. Built and loaded by cpu_kernels.py.
  */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -125,14 +126,31 @@ int add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t
     return 0;
 }
 
+/* torch's silu, g / (1 + e^-g) in float, for gates below FAR_NEGATIVE: where fast math's vector exp is not met
+ * (it may overflow early, and its reciprocals of the huge sums fall below float's normal range). In double, with
+ * float's own overflow of 1 + e^-g (to -0) and -inf / inf (NaN) kept; not inlined, so never vectorised. */
+#define FAR_NEGATIVE (-80.0f)
+static __attribute__((noinline)) float silu_far_negative(const float g) {
+    uint32_t bits;
+    memcpy(&bits, &g, sizeof bits);
+    if (bits == 0xff800000u) return NAN;  /* -inf: bit test, as fast math assumes no infinities */
+    const double sum = (double)(float)exp(-(double)g);  /* 1 + e^-g in float: e^-g, 1 lost in its rounding */
+    return sum > FLT_MAX ? -0.0f : (float)((double)g / sum);
+}
+
 static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x, void *out, const int64_t d,
                                                                     const int bf16) {
-    #pragma omp simd
+    int far = 0;
+    #pragma omp simd reduction(|:far)
     for (int64_t i = 0; i < d; i++) {
         const float g = load(x, i, bf16);
-        /* Clamped: fast math may not meet an infinite exp. silu(g) is -0 there either way. */
-        const float silu = round_to(g / (1.0f + expf(fminf(-g, 80.0f))), bf16);
+        const float silu = round_to(g / (1.0f + expf(fminf(-g, -FAR_NEGATIVE))), bf16);  /* clamped: fixed below */
         store(out, i, silu * load(x, d + i, bf16), bf16);
+        far |= g < FAR_NEGATIVE;
+    }
+    for (int64_t i = 0; far && i < d; i++) {
+        const float g = load(x, i, bf16);
+        if (g < FAR_NEGATIVE) store(out, i, round_to(silu_far_negative(g), bf16) * load(x, d + i, bf16), bf16);
     }
 }
 
