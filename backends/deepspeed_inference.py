@@ -13,10 +13,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import (
     Backend,
@@ -30,22 +29,14 @@ from backends.base import (
     Usage,
     refuse_unsupported,
 )
-from backends.native.config import DTYPES
+from backends.deepspeed_config import DeepSpeedConfig
+from backends.native.config import torch_dtype_named
 from backends.native.sampler import Sampled, sample, token_logprobs
 from backends.native.sequence import Sequence
 from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class DeepSpeedConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model_path: str | None = None  # local HF directory, .gguf or (dummy) config.json; None: the embedded SmolLM2
-    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the config's shape (vLLM's name)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch_size: int = Field(32, ge=1)  # requests per static batch
 
 
 @dataclass(eq=False)
@@ -70,7 +61,7 @@ class DeepSpeedInferenceBackend(Backend):
         self.name = "deepspeed-inference"
         self.cfg = cfg
         self.max_batch_size = cfg.max_batch_size
-        self.dtype = DTYPES[cfg.dtype]
+        self.dtype = torch_dtype_named(cfg.dtype)
         self.model = None
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0

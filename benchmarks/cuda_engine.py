@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from backends.base import SamplingParams  # noqa: E402
 from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
-from backends.native.engine import LLMEngine  # noqa: E402
+from backends.native.engine import LLMEngine, start_engine  # noqa: E402
 from backends.native.transfers import PendingPicks  # noqa: E402
 from backends.native.weights import default_model_path  # noqa: E402
 
@@ -107,7 +107,7 @@ def step_times(engine: LLMEngine, batch: Batch) -> dict[str, float]:
 
 def design_model_decode(layers: int | None, context: int, bandwidth: float, tokenizer: str | None) -> dict:
     overrides = {"num_hidden_layers": layers} if layers else {}
-    engine = LLMEngine(EngineConfig(model_path=str(ROOT / "configs/llama-12.3b-gqa.json"), load_format="dummy",
+    engine = start_engine(EngineConfig(model_path=str(ROOT / "configs/llama-12.3b-gqa.json"), load_format="dummy",
                                     hf_overrides=overrides, tokenizer=tokenizer, dtype="bfloat16", device="cuda", max_model_len=4096,
                                     max_num_seqs=8, kv_cache_gb=2.0, enable_prefix_caching=False))
     cfg = engine.model_config
@@ -233,7 +233,7 @@ def smollm2(requests: int, input_len: int, output_len: int, seed: int, rounds: i
     source = dict(model_path=str(dummy), load_format="dummy") if dummy else {}
     result: dict = {"weights": f"random ({dummy.name}'s shape)" if dummy else "SmolLM2 GGUF"}
     for i, (name, overrides) in enumerate(variants.items()):
-        engine = LLMEngine(EngineConfig(**{**source, "dtype": "bfloat16", "device": device,
+        engine = start_engine(EngineConfig(**{**source, "dtype": "bfloat16", "device": device,
                                            "max_model_len": input_len + output_len + 16, "max_num_seqs": requests,
                                            "max_num_batched_tokens": 8192, "enable_prefix_caching": False,
                                            **overrides}))

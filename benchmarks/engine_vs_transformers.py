@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends.base import SamplingParams
 from backends.native.config import EngineConfig
-from backends.native.engine import LLMEngine
+from backends.native.engine import LLMEngine, start_engine
 from backends.native.weights import default_model_path
 
 
@@ -74,7 +74,7 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> floa
 
 
 def native_engine(dtype: str, tokenizer) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(dtype=dtype, max_model_len=1024), tokenizer=tokenizer)
+    engine = start_engine(EngineConfig(dtype=dtype, max_model_len=1024), tokenizer=tokenizer)
     engine.generate([list(range(100, 132))], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     return engine
 

@@ -259,10 +259,10 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
     from cuda_engine import cuda_time, decode_batch, prefill_batch
 
     from backends.native.config import EngineConfig
-    from backends.native.engine import LLMEngine
+    from backends.native.engine import start_engine
 
     biggest = max(n for n, _ in decodes)
-    engine = LLMEngine(EngineConfig(model_path=str(config), load_format="dummy", dtype="bfloat16", device=DEVICE,
+    engine = start_engine(EngineConfig(model_path=str(config), load_format="dummy", dtype="bfloat16", device=DEVICE,
                                     max_model_len=4096, max_num_seqs=biggest, max_num_batched_tokens=8192,
                                     enable_prefix_caching=False))
     cfg, runner = engine.model_config, engine.runner

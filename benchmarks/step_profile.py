@@ -48,6 +48,7 @@ from backends.native.batch import Batch  # noqa: E402
 from backends.native.config import EngineConfig  # noqa: E402
 from backends.native.linear import layout_serves_all_rows, tile_layout, tile_matmul  # noqa: E402
 from backends.native.model_runner import ModelRunner  # noqa: E402
+from backends.native.process import prepare_process  # noqa: E402
 from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
 
 
@@ -223,6 +224,7 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     config = EngineConfig(dtype=args.dtype, max_model_len=max(args.prompt_len, args.context) + 1)
+    prepare_process(config)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     cfg = runner.model.config
     peak_args = (runner.dtype, cfg.hidden_size, cfg.intermediate_size)

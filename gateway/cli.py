@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args, get_origin
 
 import typer
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from backends.native.config import EngineConfig
 from backends.native.gpus import GPUS
@@ -23,7 +23,7 @@ app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine 
 app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
 log = logging.getLogger("burstgate")
 
-_SERVE_ENV = "BURSTGATE_SERVE_ARGS"  # hands the parsed options to uvicorn worker processes
+_SERVE_ENV = "BURSTGATE_SERVE_OPTIONS"  # hands the parsed options to uvicorn worker processes (WorkerOptions)
 
 
 def _version(value: bool) -> None:
@@ -119,15 +119,30 @@ def _with_engine_options(route: ModelRoute, options: dict[str, str]) -> ModelRou
         {**d.model_dump(), **options} if d.kind == "native" else d.model_dump() for d in route.deployments]})
 
 
+class WorkerOptions(BaseModel):
+    """What each uvicorn worker of ``serve --workers N`` rebuilds its app from, handed over whole (as JSON in
+    ``BURSTGATE_SERVE_OPTIONS``)."""
+
+    config: Path | None
+    model: Path | None
+    served_model_name: str | None
+    backend: BackendKind
+    engine_options: dict[str, str | int | None]
+    log_level: str
+    log_format: LogFormat
+
+    def settings(self) -> Settings:
+        return build_settings(self.config, self.model, self.served_model_name, self.backend, **self.engine_options)
+
+
 def app_from_env():
     """uvicorn factory for ``--workers N``: each worker rebuilds the app from the serve options."""
     from gateway.app import create_app
     from gateway.service import Gateway
 
-    args = json.loads(os.environ[_SERVE_ENV])
-    configure_logging(args[5], args[6])  # a spawned worker starts with no logging configuration
-    settings = build_settings(*(Path(a) if a else None for a in args[:2]), args[2], BackendKind(args[3]), **args[4])
-    return create_app(Gateway.from_settings(settings))
+    options = WorkerOptions.model_validate_json(os.environ[_SERVE_ENV])
+    configure_logging(options.log_level, options.log_format)  # a spawned worker starts with no logging set up
+    return create_app(Gateway.from_settings(options.settings()))
 
 
 @app.command()
@@ -179,9 +194,9 @@ def serve(
     log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
     options = uvicorn_options(settings.server)
     if workers > 1:
-        os.environ[_SERVE_ENV] = json.dumps([str(config) if config else None, str(model) if model else None,
-                                             served_model_name, backend.value, engine_options, log_level,
-                                             log_format])
+        os.environ[_SERVE_ENV] = WorkerOptions(config=config, model=model, served_model_name=served_model_name,
+                                               backend=backend, engine_options=engine_options, log_level=log_level,
+                                               log_format=log_format).model_dump_json()
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
                     log_level=log_level, **options)
         return

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from backends.deepspeed_inference import DeepSpeedConfig
+from backends.deepspeed_config import DeepSpeedConfig
 from backends.http import RemoteConfig, TextServerConfig, env_reference, from_environment
 from backends.mii import MIIConfig
 from backends.native.config import EngineConfig
-from gateway.routing import Strategy
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -80,16 +79,21 @@ DeploymentConfig = Annotated[
     Discriminator(_kind)]
 
 
+# How a model's requests are spread over its deployments (gateway/routing.py says what each does)
+Routing = Literal["least_outstanding", "round_robin", "latency", "prefix_affinity"]
+
+
 class ModelRoute(_Strict):
     name: str = Field(min_length=1)
     deployments: list[DeploymentConfig] = Field(min_length=1)
-    routing: Strategy = "least_outstanding"
+    routing: Routing = "least_outstanding"
     fallbacks: list[str] = Field(default_factory=list)  # models tried, in order, when none of ours answers
     prefix_chars: int = Field(256, ge=1)  # prefix_affinity: leading characters that pick the deployment
 
 
-class Router(_Strict):
-    """Retries, breakers and health checks, for every deployment."""
+class Resilience(_Strict):
+    """Retries, circuit breakers and health checks, for every deployment (``resilience:``; ``router:``, its
+    earlier name, is still read)."""
 
     retries: int = Field(2, ge=0)  # extra attempts per model, for failures before the first token
     retry_backoff_s: float = Field(0.05, ge=0)  # base of the exponential backoff (full jitter)
@@ -153,7 +157,7 @@ class Settings(BaseSettings):
     admin_api_key: str | None = Field(None, repr=False)  # shorthand for one admin key (BURSTGATE_ADMIN_API_KEY)
     protect_metrics: bool = False  # require a key (client or admin) on /metrics too
     limits: Limits = Field(default_factory=Limits)
-    router: Router = Field(default_factory=Router)
+    resilience: Resilience = Field(default_factory=Resilience, validation_alias=AliasChoices("resilience", "router"))
     server: Server = Field(default_factory=Server)
 
     @classmethod

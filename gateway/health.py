@@ -10,7 +10,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from gateway.routing import Deployment, ModelGroup
+from gateway.deployments import Deployment
+from gateway.routing import ModelGroup
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import sys
 from collections import Counter
 from typing import Any
 
@@ -59,8 +60,12 @@ def _nvml_gpus() -> list[tuple[str, int]]:
 
 
 def _torch_gpus() -> list[tuple[str, int]]:
+    """The GPUs torch sees, where an in-process engine loaded it already (a gateway of remote backends never
+    loads torch: NVML answers there)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
     try:
-        import torch
 
         if not torch.cuda.is_available():
             return []
@@ -128,6 +133,6 @@ def server_info(gateway) -> dict[str, Any]:
         burstgate = None
     devs = devices()
     return {"server": "burstgate", "version": burstgate, "hardware": describe(devs), "devices": devs,
-            "models": [{"name": g.name, "routing": g.strategy,
+            "models": [{"name": g.name, "routing": g.routing,
                         "deployments": [deployment_info(d) for d in g.deployments]}
                        for g in gateway.groups.values()]}

@@ -20,42 +20,10 @@ import json
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
-from backends.base import Backend, GenerationRequest, UnavailableError
-from gateway.breaker import CircuitBreaker
-from gateway.limits import ConcurrencyLimiter
-
-Strategy = Literal["least_outstanding", "round_robin", "latency", "prefix_affinity"]
-EWMA_ALPHA = 0.2
-
-
-@dataclass(eq=False)
-class Deployment:
-    """One backend behind a model name: its admission limiter, health, breaker and latency estimate."""
-
-    name: str
-    backend: Backend
-    weight: float = 1.0
-    limiter: ConcurrencyLimiter = field(default_factory=lambda: ConcurrencyLimiter(256, 1024))
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    first_token_timeout_s: float | None = None
-    total_timeout_s: float | None = None
-    healthy: bool = True
-    ttft_ewma_s: float | None = None  # None until the first answer
-    config: Any = None  # the configuration it was built from (reported by GET /info), if any
-
-    @property
-    def outstanding(self) -> int:
-        return self.limiter.in_flight + self.limiter.waiting
-
-    @property
-    def available(self) -> bool:
-        return self.healthy and self.breaker.available()
-
-    def observe_ttft(self, seconds: float) -> None:
-        prev = self.ttft_ewma_s
-        self.ttft_ewma_s = seconds if prev is None else prev + EWMA_ALPHA * (seconds - prev)
+from backends.base import GenerationRequest, UnavailableError
+from gateway.config import Routing
+from gateway.deployments import Deployment
 
 
 @dataclass
@@ -65,7 +33,7 @@ class ModelGroup:
 
     name: str
     deployments: list[Deployment]
-    strategy: Strategy = "least_outstanding"
+    routing: Routing = "least_outstanding"
     fallbacks: list[str] = field(default_factory=list)
     prefix_chars: int = 256
     balance_threshold: int = 32
@@ -85,11 +53,11 @@ class ModelGroup:
             raise UnavailableError(f"no healthy backend for model '{self.name}'")
         if len(candidates) == 1:
             return candidates[0]
-        if self.strategy == "round_robin":
+        if self.routing == "round_robin":
             return self._round_robin(candidates)
-        if self.strategy == "latency":
+        if self.routing == "latency":
             return _least(candidates, lambda d: (d.ttft_ewma_s or 0.0) * (d.outstanding + 1) / d.weight)
-        if self.strategy == "prefix_affinity" and request is not None:
+        if self.routing == "prefix_affinity" and request is not None:
             return self._prefix_affinity(candidates, request)
         return _least(candidates, lambda d: d.outstanding / d.weight)
 

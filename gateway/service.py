@@ -21,12 +21,12 @@ from backends.base import (
 )
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import Settings
-from gateway.deployments import build_backend
+from gateway.deployments import Deployment, build_backend
 from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Deployment, ModelGroup
+from gateway.routing import ModelGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,12 @@ BREAKER_FAILURES = frozenset({"unavailable", "timeout", "upstream_error"})  # ov
 class Gateway:
     def __init__(self, settings: Settings, groups: list[ModelGroup], rate_limiter: RateLimiter | None = None) -> None:
         self.settings = settings
-        self.router = settings.router
+        self.resilience = settings.resilience
         self.groups = {g.name: g for g in groups}
         self.metrics = GatewayMetrics()
         self.rate_limiter = rate_limiter or (RedisRateLimiter(settings.limits.redis_url)
                                              if settings.limits.redis_url else RateLimiter())
-        self.health = HealthChecker(groups, self.router.health_interval_s, self.router.health_timeout_s,
+        self.health = HealthChecker(groups, self.resilience.health_interval_s, self.resilience.health_timeout_s,
                                     on_change=self._export_health)
         self.metrics.watch_engines(self._engine_stats)
         self.metrics.watch_models(lambda: ((name, self.can_serve(g)) for name, g in self.groups.items()))
@@ -65,17 +65,18 @@ class Gateway:
     def from_settings(cls, settings: Settings) -> Gateway:
         """Deployments built (not started) from the configuration."""
         groups = []
-        r = settings.router
+        r = settings.resilience
         for route in settings.routes():
             deployments = []
             for i, cfg in enumerate(route.deployments):
                 backend = build_backend(route.name, cfg)
                 deployments.append(Deployment(
-                    cfg.name or f"{route.name}/{cfg.kind}-{i}", backend, cfg.weight,
-                    ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
-                    CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
-                    cfg.first_token_timeout_s, cfg.total_timeout_s, config=cfg))
-            groups.append(ModelGroup(route.name, deployments, route.routing, route.fallbacks, route.prefix_chars))
+                    name=cfg.name or f"{route.name}/{cfg.kind}-{i}", backend=backend, weight=cfg.weight,
+                    limiter=ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
+                    breaker=CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
+                    first_token_timeout_s=cfg.first_token_timeout_s, total_timeout_s=cfg.total_timeout_s, config=cfg))
+            groups.append(ModelGroup(route.name, deployments, routing=route.routing, fallbacks=route.fallbacks,
+                                     prefix_chars=route.prefix_chars))
         return cls(settings, groups)
 
     # -------------------------------------------------------------------------------- lifecycle
@@ -146,10 +147,10 @@ class Gateway:
                 self.metrics.fallbacks.labels(group.name, g.name).inc()
                 log.warning("model %s: falling back to %s after %s", group.name, g.name, last_error)
             tried: list[Deployment] = []
-            for _ in range(self.router.retries + 1):
+            for _ in range(self.resilience.retries + 1):
                 if attempt:
-                    await asyncio.sleep(random.uniform(0, min(self.router.retry_backoff_max_s,
-                                                              self.router.retry_backoff_s * 2 ** (attempt - 1))))
+                    await asyncio.sleep(random.uniform(0, min(self.resilience.retry_backoff_max_s,
+                                                              self.resilience.retry_backoff_s * 2 ** (attempt - 1))))
                 deployment = _choose(g, request, tried)
                 if deployment is None:
                     last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")

@@ -13,12 +13,13 @@ import torch
 
 from backends.native.backend import NativeBackend
 from backends.native.config import EngineConfig
-from backends.native.engine import LLMEngine
+from backends.native.engine import LLMEngine, start_engine
 from backends.native.weights import default_model_path
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.deployments import Deployment
 from gateway.limits import ConcurrencyLimiter
-from gateway.routing import Deployment, ModelGroup
+from gateway.routing import ModelGroup
 from gateway.service import Gateway
 from tests.servers import serve_app
 
@@ -52,7 +53,7 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="session")
 def native_engine(smollm2_tokenizer) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype="float32", max_model_len=1024, num_blocks=256,
+    return start_engine(EngineConfig(dtype="float32", max_model_len=1024, num_blocks=256,
                                   max_num_batched_tokens=512),
                      tokenizer=smollm2_tokenizer)
 
@@ -65,7 +66,8 @@ def start_gateway(native_engine):
     def start(max_concurrency: int = 64, max_queue: int = 256, rate_limiter=None, backend_config=None, **settings):
         """``backend_config``: the deployment's settings the backend reads (tool parser, chat template)."""
         backend = NativeBackend(MODEL, config=backend_config, engine=native_engine)
-        group = ModelGroup(MODEL, [Deployment("native-0", backend, 1.0, ConcurrencyLimiter(max_concurrency, max_queue))])
+        group = ModelGroup(MODEL, [Deployment(name="native-0", backend=backend,
+                                                   limiter=ConcurrencyLimiter(max_concurrency, max_queue))])
         gateway = Gateway(Settings(**settings), [group], rate_limiter=rate_limiter)
         with serve_app(create_app(gateway)) as url:
             yield url, gateway

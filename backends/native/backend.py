@@ -20,7 +20,7 @@ from backends.base import (
 )
 from backends.native.async_engine import AsyncEngine
 from backends.native.config import EngineConfig
-from backends.native.engine import LLMEngine
+from backends.native.engine import LLMEngine, start_engine
 from backends.native.sampler import token_logprob
 from backends.tool_calls import check_tool_request, parse_tool_calls, tool_call_grammar
 
@@ -40,7 +40,7 @@ class NativeBackend(Backend):
 
     async def start(self) -> None:
         if self._engine is None:
-            self._engine = await asyncio.to_thread(LLMEngine, self.config)
+            self._engine = await asyncio.to_thread(start_engine, self.config)
         self._async = AsyncEngine(self._engine)
 
     async def close(self) -> None:

@@ -1,23 +1,35 @@
 """The engine's two configurations: what to run (``EngineConfig``, passed whole from the deployment
 to every part of the engine) and the model's shape (``ModelConfig``, read from an HF ``config.json`` or
-from GGUF metadata)."""
+from GGUF metadata).
+
+torch is imported only where a setting is resolved against the hardware: the gateway validates native
+deployments with this module, and a gateway of remote backends never loads torch."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.tool_calls import ToolParserName
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# vLLM's --kv-cache-dtype names ("fp8" is e4m3, as in vLLM) for KV caches of one byte per value
-FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype names ("fp8" is e4m3, as in vLLM) for KV caches of one byte per value: torch's names
+FP8_KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def torch_dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of one of ``DTYPE_NAMES`` (or torch's own name of any other)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 class EngineConfig(BaseModel):
@@ -63,6 +75,8 @@ class EngineConfig(BaseModel):
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         device = torch.device(self.device)
@@ -78,8 +92,10 @@ class EngineConfig(BaseModel):
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """``dtype`` resolved: ``auto`` is bf16 where the hardware computes in it natively (CUDA with bf16,
         CPUs with AMX or AVX512-BF16), float16 on older GPUs, float32 otherwise."""
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return torch_dtype_named(self.dtype)
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -104,7 +120,7 @@ class EngineConfig(BaseModel):
 
     def torch_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """``kv_cache_dtype`` resolved for a model computing in ``dtype``."""
-        return dtype if self.kv_cache_dtype == "auto" else FP8_KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return dtype if self.kv_cache_dtype == "auto" else torch_dtype_named(FP8_KV_CACHE_DTYPES[self.kv_cache_dtype])
 
 
 CPUINFO = Path("/proc/cpuinfo")

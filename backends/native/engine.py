@@ -26,9 +26,9 @@ from backends.base import (
 )
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
-from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
 from backends.native.openmp import release_thread_pool
+from backends.native.process import prepare_process
 from backends.native.sampler import Sampled, ranked, sample, sample_tokens, token_logprob, token_logprobs
 from backends.native.scheduler import ScheduledStep, Scheduler, Update
 from backends.native.sequence import Sequence
@@ -43,14 +43,17 @@ log = logging.getLogger(__name__)
 RequestOutput = tuple[str, GenerationChunk]  # (request id, what one step produced for it)
 
 
+def start_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> LLMEngine:
+    """The process prepared for an engine (threads, memory: process.py), then the engine."""
+    prepare_process(config)
+    return LLMEngine(config, tokenizer)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
-        """Load the model named by ``config``; pass ``tokenizer`` to reuse one already loaded."""
+        """Load the model named by ``config``; pass ``tokenizer`` to reuse one already loaded. The process's own
+        settings (threads, memory) are ``process.prepare_process``'s, done before."""
         self.config = config
-        threads, source = resolve_num_threads(config.num_threads)
-        self.num_threads = threads
-        torch.set_num_threads(threads)
-        log.info("native engine: %d CPU threads (%s)", threads, source)
         model_path = Path(config.model_path) if config.model_path else default_model_path()
         self.model_path = model_path
         checkpoint = open_checkpoint(model_path, config.hf_overrides)
@@ -299,7 +302,7 @@ class LLMEngine:
         """What the engine runs with: its configuration with every ``auto`` resolved (for GET /info)."""
         runner = self.runner
         return {**self.config.model_dump(), "model_path": str(self.model_path), "device": str(runner.device),
-                "num_threads": self.num_threads,
+                "num_threads": torch.get_num_threads(),  # as the process was prepared (process.py)
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
                 "block_size": self.blocks.block_size,
                 "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(

@@ -1,6 +1,6 @@
 """Owns the model weights and the KV cache tensors; runs one flat batch. Makes no policy decisions.
 
-Start-up: on CPU keep freed memory in the process (host_memory.py), build the model on its device, fill
+Start-up (after the process's own settings, process.py): build the model on its device, fill
 it (checkpoint or random weights), pick its kernels, size the KV cache (a byte budget, or on CUDA what
 ``gpu_memory_utilization`` leaves after a profiled step at the full token budget, as vLLM does), allocate
 it, and on CUDA capture decode steps as graphs.
@@ -18,7 +18,6 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.cuda_graphs import DecodeGraphs
 from backends.native.fused_step import FusedStep
-from backends.native.host_memory import keep_freed_memory
 from backends.native.linear import Linear
 from backends.native.model import LlamaModel, dummy_tensors
 from backends.native.parallel import TensorParallel
@@ -72,8 +71,6 @@ class ModelRunner:
         self.tp = tp or TensorParallel()
         self.device = device or config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # each step's activations reuse memory instead of faulting in fresh pages
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization int8 runs on CPU only (torch's int8 weight kernel); device is {self.device}")
         self.kv_dtype = config.torch_kv_cache_dtype(self.dtype)

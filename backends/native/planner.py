@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from backends.native.config import DTYPES, ModelConfig
+from backends.native.config import DTYPE_NAMES, ModelConfig, torch_dtype_named
 from backends.native.gpus import GPU, GPUS
 from backends.native.model_runner import kv_bytes_per_block, kv_cache_blocks, local_config
 from backends.native.parallel import check_tensor_parallel
@@ -67,11 +67,11 @@ def plan(config: ModelConfig, gpu_name: str, dtype: str = "bfloat16", tensor_par
     """The plan at ``tensor_parallel_size``, or at the smallest size that fits when it is None."""
     if gpu_name not in GPUS:
         raise ValueError(f"unknown GPU {gpu_name!r}; choose one of {', '.join(GPUS)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
     if tensor_parallel_size is not None:
         check_tensor_parallel(config, tensor_parallel_size)
-        return _plan_at(config, GPUS[gpu_name], gpu_name, DTYPES[dtype], tensor_parallel_size, input_len, output_len,
+        return _plan_at(config, GPUS[gpu_name], gpu_name, torch_dtype_named(dtype), tensor_parallel_size, input_len, output_len,
                         gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs)
     plans = []
     for tp in TP_SIZES:
@@ -79,7 +79,7 @@ def plan(config: ModelConfig, gpu_name: str, dtype: str = "bfloat16", tensor_par
             check_tensor_parallel(config, tp)
         except ValueError:
             continue
-        plans.append(_plan_at(config, GPUS[gpu_name], gpu_name, DTYPES[dtype], tp, input_len, output_len,
+        plans.append(_plan_at(config, GPUS[gpu_name], gpu_name, torch_dtype_named(dtype), tp, input_len, output_len,
                               gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs))
         if plans[-1].fits:
             break

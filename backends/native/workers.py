@@ -20,9 +20,9 @@ import torch
 
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
-from backends.native.cpu_quota import resolve_num_threads
 from backends.native.model_runner import ModelRunner
 from backends.native.parallel import TensorParallel, check_tensor_parallel
+from backends.native.process import prepare_process
 from backends.native.weights import Checkpoint, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _worker_main(rank: int, size: int, config_json: str, model_path: str, max_mo
                  device: str) -> None:
     """A worker: join the group, load this rank's shard, then run every broadcast step until told to stop."""
     config = EngineConfig.model_validate_json(config_json)
-    torch.set_num_threads(config.num_threads or max(1, resolve_num_threads(None)[0] // size))
+    prepare_process(config, share=size)
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -108,7 +108,8 @@ def test_deepspeed_inference_rejects_bad_input_and_survives_a_client_leaving(dee
 
 
 def test_deepspeed_inference_keeps_rope_frequencies_in_fp32_under_bf16():
-    from backends.deepspeed_inference import DeepSpeedConfig, DeepSpeedInferenceBackend
+    from backends.deepspeed_config import DeepSpeedConfig
+    from backends.deepspeed_inference import DeepSpeedInferenceBackend
 
     async def main():
         backend = DeepSpeedInferenceBackend("ds", DeepSpeedConfig(dtype="bfloat16"))
@@ -131,7 +132,8 @@ def test_deepspeed_inference_serves_random_weights_of_a_bare_config(tmp_path):
     """load_format dummy (vLLM's name): the shape of a config.json, no checkpoint read, the embedded tokenizer."""
     import json
 
-    from backends.deepspeed_inference import DeepSpeedConfig, DeepSpeedInferenceBackend
+    from backends.deepspeed_config import DeepSpeedConfig
+    from backends.deepspeed_inference import DeepSpeedInferenceBackend
 
     config = tmp_path / "tiny-llama.json"
     config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,

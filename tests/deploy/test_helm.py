@@ -96,9 +96,9 @@ def test_vllms_key_is_given_or_made_by_the_chart_unless_an_existing_secret_holds
 
 def test_everything_off_serves_the_embedded_model_and_config_overrides_merge():
     objects = helm_objects({"native": {"enabled": False}, "redis": {"enabled": False},
-                            "gateway": {"config": {"router": {"retries": 5}, "limits": {"max_body_bytes": 100000}}}})
+                            "gateway": {"config": {"resilience": {"retries": 5}, "limits": {"max_body_bytes": 100000}}}})
     settings = gateway_settings(objects)
-    assert settings.models == [] and settings.router.retries == 5 and settings.limits.max_body_bytes == 100000
+    assert settings.models == [] and settings.resilience.retries == 5 and settings.limits.max_body_bytes == 100000
     assert Gateway.from_settings(settings).groups  # the embedded default
 
 
@@ -108,7 +108,7 @@ def test_the_config_checksum_rolls_the_pods_when_the_config_changes():
                    "demo-burstgate")["spec"]["template"]
         return pod["metadata"]["annotations"]["checksum/config"]
 
-    assert checksum({}) != checksum({"gateway": {"config": {"router": {"retries": 3}}}})
+    assert checksum({}) != checksum({"gateway": {"config": {"resilience": {"retries": 3}}}})
 
 
 def test_it_runs_the_published_image_of_this_version():

@@ -191,3 +191,9 @@ def test_shipped_example_config_is_valid(monkeypatch):
 def test_routing_and_deployment_mistakes_are_refused_at_load(models, message):
     with pytest.raises(ValueError, match=message):
         Settings(models=models)
+
+
+def test_resilience_settings_are_read_under_their_earlier_name_router_too():
+    assert Settings(router={"retries": 7}).resilience.retries == 7
+    assert Settings(resilience={"retries": 4}).resilience.retries == 4
+    assert Settings().resilience.retries == 2

@@ -17,11 +17,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.app import create_app
-from gateway.config import ModelRoute, OpenAIDeployment, Router, Settings
+from gateway.config import ModelRoute, OpenAIDeployment, Resilience, Settings
 from gateway.service import Gateway
 from tests.servers import free_port, serve_app, spawn_mock_server, wait_for_port
 
-FAST_RECOVERY = Router(retries=3, retry_backoff_s=0.01, breaker_failures=3, breaker_cooldown_s=0.5,
+FAST_RECOVERY = Resilience(retries=3, retry_backoff_s=0.01, breaker_failures=3, breaker_cooldown_s=0.5,
                        health_interval_s=0.2, health_timeout_s=1.0)
 
 
@@ -176,7 +176,7 @@ def test_first_token_deadline_answers_504_after_retries():
         wait_for_port(port)
         settings = Settings(models=[ModelRoute(name="m", deployments=[
             remote("slow", f"http://127.0.0.1:{port}/v1", first_token_timeout_s=0.3)])],
-            router=Router(retries=1, retry_backoff_s=0.01, breaker_failures=10))
+            resilience=Resilience(retries=1, retry_backoff_s=0.01, breaker_failures=10))
         with serve_app(create_app(Gateway.from_settings(settings))) as url:
             started = time.monotonic()
             r = completion(url, stream=True)

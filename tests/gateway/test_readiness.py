@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.config import ModelRoute, OpenAIDeployment, Router, Settings
+from gateway.config import ModelRoute, OpenAIDeployment, Resilience, Settings
 from gateway.service import Gateway
 from loadtest.mock_server import create_mock_app
 from tests.gateway.test_failover import metric
@@ -22,7 +22,7 @@ def remote(url: str) -> OpenAIDeployment:
 
 @contextlib.contextmanager
 def gateway_with(models: list[ModelRoute]):
-    settings = Settings(models=models, router=Router(health_interval_s=60, health_timeout_s=1.0))
+    settings = Settings(models=models, resilience=Resilience(health_interval_s=60, health_timeout_s=1.0))
     with serve_app(create_app(Gateway.from_settings(settings))) as url:  # start() checks health once
         yield url
 

@@ -10,14 +10,16 @@ from backends.base import GenerationRequest, SamplingParams, UnavailableError
 from backends.http import RemoteConfig
 from backends.openai_http import OpenAIHTTPBackend
 from gateway.breaker import CircuitBreaker
+from gateway.deployments import Deployment
 from gateway.limits import ConcurrencyLimiter
-from gateway.routing import Deployment, ModelGroup
+from gateway.routing import ModelGroup
 
 
 def deployment(name: str, weight: float = 1.0, in_flight: int = 0) -> Deployment:
     # A real adapter that is never called: routing looks only at the deployment's own state.
     backend = OpenAIHTTPBackend("m", RemoteConfig(url="http://127.0.0.1:9/v1"))
-    d = Deployment(name, backend, weight, ConcurrencyLimiter(8, 8), CircuitBreaker(2, 60.0))
+    d = Deployment(name=name, backend=backend, weight=weight, limiter=ConcurrencyLimiter(8, 8),
+                   breaker=CircuitBreaker(2, 60.0))
     d.limiter.in_flight = in_flight
     return d
 
@@ -28,7 +30,7 @@ def request(prompt: str) -> GenerationRequest:
 
 def test_round_robin_is_smooth_and_weighted():
     a, b = deployment("a", weight=2), deployment("b")
-    group = ModelGroup("m", [a, b], strategy="round_robin")
+    group = ModelGroup("m", [a, b], routing="round_robin")
     picks = [group.choose().name for _ in range(9)]
     assert picks == ["a", "b", "a"] * 3
 
@@ -44,7 +46,7 @@ def test_latency_prefers_the_faster_backend_until_its_queue_makes_it_slower():
     for _ in range(20):
         fast.observe_ttft(0.1)
         slow.observe_ttft(0.5)
-    group = ModelGroup("m", [fast, slow], strategy="latency")
+    group = ModelGroup("m", [fast, slow], routing="latency")
     assert group.choose() is fast
     fast.limiter.in_flight = 9  # expected wait 0.1 × 10 = 1.0 s > 0.5 s
     assert group.choose() is slow
@@ -59,7 +61,7 @@ def test_ewma_moves_towards_new_observations():
 
 def test_prefix_affinity_sends_a_shared_prefix_to_one_deployment_and_spreads_the_rest():
     ds = [deployment(f"d{i}") for i in range(3)]
-    group = ModelGroup("m", ds, strategy="prefix_affinity", prefix_chars=32)
+    group = ModelGroup("m", ds, routing="prefix_affinity", prefix_chars=32)
     system = "You are a terse assistant. " * 3
     owners = {group.choose(request(system + f"question {i}")).name for i in range(50)}
     assert len(owners) == 1
@@ -69,7 +71,7 @@ def test_prefix_affinity_sends_a_shared_prefix_to_one_deployment_and_spreads_the
 
 def test_prefix_affinity_moves_only_the_prefixes_of_a_removed_deployment():
     ds = [deployment(f"d{i}") for i in range(4)]
-    group = ModelGroup("m", ds, strategy="prefix_affinity")
+    group = ModelGroup("m", ds, routing="prefix_affinity")
     prompts = [f"prompt {i}" for i in range(400)]
     before = {p: group.choose(request(p)) for p in prompts}
     ds[1].healthy = False
@@ -80,7 +82,7 @@ def test_prefix_affinity_moves_only_the_prefixes_of_a_removed_deployment():
 
 def test_prefix_affinity_yields_to_load_balance_when_the_owner_is_far_busier():
     a, b = deployment("a"), deployment("b")
-    group = ModelGroup("m", [a, b], strategy="prefix_affinity", balance_threshold=4)
+    group = ModelGroup("m", [a, b], routing="prefix_affinity", balance_threshold=4)
     owner = group.choose(request("same prefix"))
     other = b if owner is a else a
     owner.limiter.in_flight = 5
@@ -93,7 +95,7 @@ def test_no_strategy_chooses_an_unhealthy_open_or_excluded_deployment(strategy):
     sick.healthy = False
     broken.breaker.failure()
     broken.breaker.failure()  # threshold 2: open for 60 s
-    group = ModelGroup("m", [sick, broken, tried, good], strategy=strategy)
+    group = ModelGroup("m", [sick, broken, tried, good], routing=strategy)
     assert {group.choose(request(f"p{i}"), exclude=[tried]).name for i in range(40)} == {"good"}
     with pytest.raises(UnavailableError, match="no healthy backend for model 'm'"):
         group.choose(request("p"), exclude=[tried, good])

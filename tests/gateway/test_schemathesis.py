@@ -22,7 +22,9 @@ from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.routing import Deployment, ModelGroup
+from gateway.deployments import Deployment
+from gateway.limits import ConcurrencyLimiter
+from gateway.routing import ModelGroup
 from gateway.service import Gateway
 from tests.conftest import MODEL
 from tests.servers import serve_app
@@ -31,7 +33,9 @@ from tests.servers import serve_app
 @pytest.fixture(scope="module")
 def fuzz_url(smollm2_tokenizer):
     engine = LLMEngine(EngineConfig(max_model_len=64, num_blocks=64), tokenizer=smollm2_tokenizer)
-    gateway = Gateway(Settings(), [ModelGroup(MODEL, [Deployment("native-0", NativeBackend(MODEL, engine=engine))])])
+    deployment = Deployment(name="native-0", backend=NativeBackend(MODEL, engine=engine),
+                            limiter=ConcurrencyLimiter(256, 1024))
+    gateway = Gateway(Settings(), [ModelGroup(MODEL, [deployment])])
     with serve_app(create_app(gateway)) as url:
         yield url
 

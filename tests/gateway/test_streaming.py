@@ -116,7 +116,9 @@ def test_backend_failure_mid_stream_is_an_sse_error_then_done(start_gateway):
     from backends.openai_http import OpenAIHTTPBackend
     from gateway.app import create_app
     from gateway.config import Settings
-    from gateway.routing import Deployment, ModelGroup
+    from gateway.deployments import Deployment
+    from gateway.limits import ConcurrencyLimiter
+    from gateway.routing import ModelGroup
     from gateway.service import Gateway
     from tests.servers import serve_app
 
@@ -132,7 +134,8 @@ def test_backend_failure_mid_stream_is_an_sse_error_then_done(start_gateway):
     upstream = Starlette(routes=[Route("/v1/completions", dying, methods=["POST"]), Route("/v1/models", models)])
     with serve_app(upstream) as up:
         backend = OpenAIHTTPBackend("m", RemoteConfig(url=f"{up}/v1"))
-        gateway = Gateway(Settings(), [ModelGroup("m", [Deployment("dying", backend)])])
+        deployment = Deployment(name="dying", backend=backend, limiter=ConcurrencyLimiter(8, 8))
+        gateway = Gateway(Settings(), [ModelGroup("m", [deployment])])
         with serve_app(create_app(gateway)) as url:
             with httpx.stream("POST", f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
                 assert r.status_code == 200

@@ -3,7 +3,6 @@ cgroup trees here; an explicit ``num_threads`` wins."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -13,7 +12,7 @@ import torch
 from backends.native import cpu_quota
 from backends.native.config import EngineConfig
 from backends.native.cpu_quota import cgroup_cpus, resolve_num_threads
-from backends.native.engine import LLMEngine
+from backends.native.process import prepare_process
 
 
 @pytest.mark.parametrize("cpu_max, cpus", [("200000 100000", 2), ("150000 100000", 2), ("50000 100000", 1),
@@ -55,20 +54,19 @@ def test_a_process_pinned_to_some_cores_runs_one_thread_per_allowed_core(tmp_pat
         os.sched_setaffinity(0, before)
 
 
-def test_the_engine_runs_with_the_quota_when_it_starts(tmp_path, monkeypatch, caplog, smollm2_tokenizer):
-    """Resolved at engine start, not when the config is read: the config keeps None."""
+def test_the_process_takes_the_quota_when_prepared_for_an_engine(tmp_path, monkeypatch, caplog):
+    """Resolved when the process is prepared (process.prepare_process, before an engine starts), not when the
+    config is read: the config keeps None."""
     (tmp_path / "cpu.max").write_text("100000 100000")
     monkeypatch.setattr(cpu_quota, "CGROUP", tmp_path)
-    model = tmp_path / "config.json"  # a one-layer Llama with random weights
-    model.write_text(json.dumps({"model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
-                                 "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
-                                 "num_key_value_heads": 2, "max_position_embeddings": 128}))
-    config = EngineConfig(model_path=str(model), load_format="dummy", kernels="torch", num_blocks=4)
+    config = EngineConfig(device="cpu")
     before = torch.get_num_threads()
     try:
-        with caplog.at_level(logging.INFO, logger="backends.native.engine"):
-            LLMEngine(config, tokenizer=smollm2_tokenizer)
-        assert torch.get_num_threads() == 1 and config.num_threads is None
+        with caplog.at_level(logging.INFO, logger="backends.native.process"):
+            settings = prepare_process(config)
+        assert torch.get_num_threads() == settings.threads == 1 and config.num_threads is None
         assert f"1 CPU threads (the cgroup's CPU quota under {tmp_path})" in caplog.text
+        assert prepare_process(config, share=2).threads == 1  # never below one
+        assert prepare_process(EngineConfig(device="cpu", num_threads=3), share=2).threads == 3  # given: as given
     finally:
         torch.set_num_threads(before)

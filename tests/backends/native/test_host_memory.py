@@ -17,6 +17,7 @@ import torch
 from backends.native.config import EngineConfig
 from backends.native.host_memory import available_memory, keep_freed_memory
 from backends.native.model_runner import ModelRunner
+from backends.native.process import prepare_process
 from backends.native.weights import default_model_path, open_checkpoint
 from tests.backends.native.reference import prefill_batch
 
@@ -47,9 +48,36 @@ def _faults(fn) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+def _refault_pages(keep: bool) -> int:
+    """Pages faulted in when 16 MiB are allocated, touched and freed, then allocated and touched again, in a
+    fresh process told to ``keep`` freed memory or not."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    if keep:
+        assert keep_freed_memory()
+    size = 16 << 20
+
+    def touch() -> None:
+        block = libc.malloc(size)
+        ctypes.memset(block, 1, size)
+        libc.free(block)
+
+    touch()
+    return _faults(touch)
+
+
 @glibc
-def test_glibc_takes_the_setting():
-    assert keep_freed_memory()
+def test_freed_memory_stays_in_the_process_once_glibc_takes_the_setting():
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        without = pool.submit(_refault_pages, False).result(timeout=60)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        kept = pool.submit(_refault_pages, True).result(timeout=60)
+    page = resource.getpagesize()
+    assert without * page >= 8 << 20  # glibc hands a 16 MiB block back to the kernel, and faults it in again
+    assert kept * page < 1 << 20  # kept: the second allocation reuses the pages
 
 
 @torch.inference_mode()
@@ -57,6 +85,7 @@ def _warm_step_faults() -> list[int]:
     """Pages faulted in during each of six warm steps of a new runner: steps of 1024 tokens (MiBs of activations
     per layer, freed as the step goes) and of 8, alternating, after two of each."""
     config = EngineConfig(dtype="float32", device="cpu", load_format="dummy", max_model_len=512, num_blocks=160)
+    prepare_process(config)
     runner = ModelRunner(config, open_checkpoint(default_model_path()), config.max_model_len)
     steps = [prefill_batch([list(range(100, 356))] * 4, runner.block_size)[0],
              prefill_batch([list(range(100, 108))] * 8, runner.block_size)[0]]

@@ -26,8 +26,9 @@ from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.deployments import Deployment
 from gateway.limits import ConcurrencyLimiter
-from gateway.routing import Deployment, ModelGroup
+from gateway.routing import ModelGroup
 from gateway.service import Gateway
 from tests.backends.native.reference import hf_greedy
 from tests.servers import serve_app
@@ -143,7 +144,7 @@ def test_a_worker_killed_mid_burst_fails_its_requests_and_the_deployment(tmp_pat
     _save_hf_model(path, REPLICATED, smollm2_tokenizer)
     engine = _engine(path, 2, smollm2_tokenizer)
     backend = NativeBackend("tp", engine=engine)
-    group = ModelGroup("tp", [Deployment("tp-0", backend, 1.0, ConcurrencyLimiter(64, 64))])
+    group = ModelGroup("tp", [Deployment(name="tp-0", backend=backend, limiter=ConcurrencyLimiter(64, 64))])
     gateway = Gateway(Settings(router={"health_interval_s": 0.2}), [group])
     try:
         with serve_app(create_app(gateway)) as url:

@@ -1,6 +1,6 @@
 """The gateway's answers as pydantic models, for its OpenAPI document only.
 
-The routes build plain dicts (gateway/openai_format.py) and never validate them at run time (that would
+The routes build plain dicts (gateway/wire/encoding.py) and never validate them at run time (that would
 cost every request); the fuzz suite (tests/gateway/test_schemathesis.py) checks every answer against
 these schemas instead.
 """

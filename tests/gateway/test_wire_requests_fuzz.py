@@ -1,4 +1,4 @@
-"""Hypothesis on the protocol models (gateway/protocol.py), alone and through a real server and engine:
+"""Hypothesis on the request models (gateway/wire/requests.py), alone and through a real server and engine:
 whatever JSON arrives (huge integers, NaN and infinities, which Python's JSON parser accepts, wrong types),
 the answer is a model or a 400 naming the field, never a 5xx, and one bad request never fails others."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from backends.base import InvalidRequestError, SamplingParams
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.wire.requests import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from tests.conftest import MODEL
 
 HUGE = st.integers(min_value=-(2**70), max_value=2**70)
