@@ -349,10 +349,10 @@ class Backend(abc.ABC):
 
     name: str = "backend"
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 (a hook: backends without resources keep it empty)
         """Acquire resources (connections, engine threads). Called once before serving."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (a hook, as start)
         """Release every resource; after this the backend serves nothing."""
 
     @abc.abstractmethod

@@ -200,9 +200,7 @@ def raise_for_status(status: int, content: bytes, mapping: dict[int, type[Backen
         return
     message = content[:500].decode("utf-8", "replace")
     if message_field is not None:
-        try:
+        with contextlib.suppress(ValueError, AttributeError):  # not JSON, or not an object: the text as it is
             message = json.loads(content).get(message_field, message)
-        except (ValueError, AttributeError):
-            pass
     error = mapping.get(status, UpstreamError)
     raise error(message if error is InvalidRequestError else f"upstream answered {status}: {message}")

@@ -7,7 +7,7 @@ import abc
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from backends.base import (
     Backend,
@@ -77,7 +77,7 @@ class TextServerBackend(Backend):
         async with transport_errors(self.name), contextlib.aclosing(self._generate(prompt, request)) as chunks:
             async for chunk in chunks:
                 generated += max(len(chunk.token_ids), 1 if chunk.text else 0)
-                text, hit = stops.push(chunk.text)
+                text, _ = stops.push(chunk.text)
                 if chunk.finish_reason is None:
                     if text or chunk.logprobs:
                         yield GenerationChunk(text=text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
@@ -112,7 +112,7 @@ class GenerateAPIBackend(TextServerBackend):
     """Servers with TGI's ``POST /generate`` and ``/generate_stream`` (``{"inputs", "parameters"}`` in, SSE
     token events out): TGI and LightLLM. Subclasses map parameters, replies and events."""
 
-    errors: dict[int, type[BackendError]] = {}  # HTTP status -> our error
+    errors: ClassVar[dict[int, type[BackendError]]] = {}  # HTTP status -> our error
     error_field = "error"  # where the error body keeps its message
 
     async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:

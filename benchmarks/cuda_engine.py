@@ -31,12 +31,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.base import SamplingParams  # noqa: E402
-from backends.native.batch import Batch  # noqa: E402
-from backends.native.config import EngineConfig  # noqa: E402
-from backends.native.engine import LLMEngine, start_engine  # noqa: E402
-from backends.native.transfers import PendingPicks  # noqa: E402
-from backends.native.weights import default_model_path  # noqa: E402
+from backends.base import SamplingParams
+from backends.native.batch import Batch
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine, start_engine
+from backends.native.transfers import PendingPicks
+from backends.native.weights import default_model_path
 
 
 def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import run_record  # noqa: E402
-from step_profile import timings  # noqa: E402
+from peers import run_record
+from step_profile import timings
 
-from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
-from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
-from backends.native.batch import Batch  # noqa: E402
+from backends.native.attention.cpu_attention import CpuAttention
+from backends.native.attention.torch_attention import TorchAttention
+from backends.native.batch import Batch
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 CACHES = ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float32))
@@ -72,10 +72,10 @@ def main() -> None:
                               ("torch", TorchAttention(bs, num_blocks, torch.device("cpu")))):
             seconds = min(timings(step_attention(backend, backend.build(batch), q, k, v, caches), args.repeats))
             row[f"{name}_s"] = seconds
-            print(f"{str(cache_dtype):19s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
+            print(f"{cache_dtype!s:19s} {name:6s} {seconds * 1000:8.1f} ms for {args.layers} layers, "
                   f"{kv_bytes / seconds / 1e9:5.1f} GB/s of KV")
         row["c_speedup"] = row["torch_s"] / row["c_s"]
-        print(f"{str(cache_dtype):19s} C kernel {row['c_speedup']:.2f}x the torch path")
+        print(f"{cache_dtype!s:19s} C kernel {row['c_speedup']:.2f}x the torch path")
         rows.append(row)
     if args.save:
         args.save.write_text(json.dumps({**run_record(), "batch": args.batch, "context": args.context,

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import PEERS, burstgate, free_port, serving  # noqa: E402
+from peers import PEERS, burstgate, free_port, serving
 
 LITELLM_BIN = PEERS / "litellm" / "bin" / "litellm"
 

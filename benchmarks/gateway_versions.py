@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import load  # noqa: E402
-from peers import burstgate, free_port, run_record, serving  # noqa: E402
+from gateway_overhead import load
+from peers import burstgate, free_port, run_record, serving
 
 
 def on(checkout: Path) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.native.weights import default_model_path  # noqa: E402
+from backends.native.weights import default_model_path
 
 CARRY = ROOT / ".gpu"
 REQUIREMENTS = ROOT / "benchmarks" / "gpu_requirements.txt"

@@ -276,7 +276,7 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
         if n * length > capacity:
             continue
         batch = prefill_batch(engine, n, length)
-        seconds = cuda_time(lambda: runner.execute(batch), repeats=10)
+        seconds = cuda_time(lambda batch=batch: runner.execute(batch), repeats=10)
         attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * length * (length + 1) / 2
         flops = 2 * n * length * layer_weights + 2 * n * head_weights + attention
         rows.append({"kind": "prefill", "seqs": n, "tokens": n * length, "context": length, "ms": seconds * 1e3,
@@ -285,7 +285,7 @@ def _step_grid(config: Path, device: dict, prefills: list[tuple[int, int]], deco
         if n * context > capacity or n > biggest:
             continue
         batch = decode_batch(engine, [context] * n)
-        seconds = cuda_time(lambda: runner.execute(batch))
+        seconds = cuda_time(lambda batch=batch: runner.execute(batch))
         read = 2 * (layer_weights + head_weights) + n * context * kv_per_token
         rows.append({"kind": "decode", "seqs": n, "tokens": n, "context": context, "ms": seconds * 1e3,
                      "bytes": read, "share_of_copy_bandwidth": read / seconds / device["copy_bytes_per_s"],

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import run_record  # noqa: E402
+from peers import run_record
 
-from backends.native.linear import INT8_KERNEL_ROWS, Int8Rows, int8_matmul  # noqa: E402
+from backends.native.linear import INT8_KERNEL_ROWS, Int8Rows, int8_matmul
 
 SHAPES = {"mlp_up (576->1536)": (576, 1536), "mlp_down (1536->576)": (1536, 576), "lm_head (576->49152)": (576, 49152)}
 
@@ -52,9 +52,11 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, k)
             row = {"shape": name, "rows": rows,
-                   "fp32_onednn_ms": best_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
-                   "torch_int8pack_ms": best_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, q.values, q.scales), 5, 1),
-                   "int8_matmul_ms": best_ms(lambda: int8_matmul(x, q.values, q.scales)),
+                   "fp32_onednn_ms": best_ms(lambda x=x, packed=packed: torch.ops.mkldnn._linear_pointwise(
+                       x, packed, None, "none", [], "")),
+                   "torch_int8pack_ms": best_ms(lambda x=x, q=q: torch.ops.aten._weight_int8pack_mm(
+                       x, q.values, q.scales), 5, 1),
+                   "int8_matmul_ms": best_ms(lambda x=x, q=q: int8_matmul(x, q.values, q.scales)),
                    "int8_path": "C kernel" if rows <= INT8_KERNEL_ROWS else "dequantised GEMM"}
             row["int8_over_fp32_speed"] = row["fp32_onednn_ms"] / row["int8_matmul_ms"]
             out.append(row)

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, loadtest, pinned, run_record, start_vllm, wait_ready  # noqa: E402
+from peers import HF_DIR, VLLM_PYTHON, export_hf_dir, free_port, loadtest, pinned, run_record, start_vllm, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 BURSTGATE = [sys.executable, "-m", "gateway.cli"]  # this checkout's code (run from the repository root)

@@ -26,12 +26,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import GUIDELLM, HF_DIR, export_hf_dir, free_port, wait_ready  # noqa: E402
+from peers import GUIDELLM, HF_DIR, export_hf_dir, free_port, wait_ready
 
-from loadtest.client import RequestOptions, Target  # noqa: E402
-from loadtest.runner import RunConfig, run_target  # noqa: E402
-from loadtest.schedule import Schedule  # noqa: E402
-from loadtest.workload import RequestSpec, load_tokenizer, synthetic  # noqa: E402
+from loadtest.client import RequestOptions, Target
+from loadtest.runner import RunConfig, run_target
+from loadtest.schedule import Schedule
+from loadtest.workload import RequestSpec, load_tokenizer, synthetic
 
 LAG_LIMIT_MS = 2.0
 # guidellm's best settings here: its default worker count for capacity (400 req/s achieved against 200

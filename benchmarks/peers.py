@@ -142,8 +142,8 @@ def serving(cmd: list[str], port: int, env: dict | None = None, timeout_s: float
     """``cmd`` serving on 127.0.0.1:``port`` (output to ``log``, else discarded) while the block runs: yields its
     URL once it answers ``ready_path``; stopped when the block ends. ``env`` is added to this process's environment."""
     url = f"http://127.0.0.1:{port}"
-    out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    with open(log or os.devnull, "w") as out:  # the server writes to its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         wait_ready(url, timeout_s, proc, headers, ready_path)
         yield url
@@ -164,8 +164,8 @@ def run_record(**machine: str) -> dict:
 
 
 def _start(cmd: list[str], port: int, env: dict, log: Path | None) -> subprocess.Popen:
-    out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    with open(log or os.devnull, "w") as out:  # the server writes to its own copy of the descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc=proc)
     except BaseException:

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import burstgate, free_port, loadtest, run_record, serving, start_llamacpp, start_vllm  # noqa: E402
+from peers import burstgate, free_port, loadtest, run_record, serving, start_llamacpp, start_vllm
 
 MODEL = "smollm2"
 WORKLOADS = {

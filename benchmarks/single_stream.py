@@ -31,9 +31,9 @@ import httpx
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import burstgate, free_port, loadtest, run_record, serving, start_llamacpp, start_vllm  # noqa: E402
+from peers import burstgate, free_port, loadtest, run_record, serving, start_llamacpp, start_vllm
 
-from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
+from backends.native.weights import default_model_path, open_checkpoint
 
 MODEL = "smollm2"
 

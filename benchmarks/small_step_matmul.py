@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import run_record  # noqa: E402
-from step_profile import timings  # noqa: E402
+from peers import run_record
+from step_profile import timings
 
-from backends.native.layer_ops import CpuLayerOps  # noqa: E402
-from backends.native.linear import TILE_ROWS, GateUpLinear, Int8Rows, Linear, can_tile, tile_layout  # noqa: E402
+from backends.native.layer_ops import CpuLayerOps
+from backends.native.linear import TILE_ROWS, GateUpLinear, Int8Rows, Linear, can_tile, tile_layout
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 960, 30  # SmolLM2-135M
 

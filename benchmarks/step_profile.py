@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import run_record  # noqa: E402
+from peers import run_record
 
-from backends.native.batch import Batch  # noqa: E402
-from backends.native.config import EngineConfig  # noqa: E402
-from backends.native.linear import layout_serves_all_rows, tile_layout, tile_matmul  # noqa: E402
-from backends.native.model_runner import ModelRunner  # noqa: E402
-from backends.native.process import prepare_process  # noqa: E402
-from backends.native.weights import default_model_path, open_checkpoint  # noqa: E402
+from backends.native.batch import Batch
+from backends.native.config import EngineConfig
+from backends.native.linear import layout_serves_all_rows, tile_layout, tile_matmul
+from backends.native.model_runner import ModelRunner
+from backends.native.process import prepare_process
+from backends.native.weights import default_model_path, open_checkpoint
 
 
 def timings(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import burstgate, free_port, run_record, serving  # noqa: E402
+from peers import burstgate, free_port, run_record, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 # No length bounds on the strings: xgrammar 0.2.8 unrolls "maxLength" into states whose masks it cannot

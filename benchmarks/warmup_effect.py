@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import burstgate, free_port, run_record, serving  # noqa: E402
+from peers import burstgate, free_port, run_record, serving
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -60,7 +60,7 @@ def measure(warmup: bool, args) -> dict:
         first, second = (asyncio.run(burst(url, f"w{int(warmup)}-{k}", args)) for k in ("a", "b"))
     row = {"warmup": warmup, "ready_s": ready_s, "first": first, "second": second,
            "first_over_second_tok_s": first["output_tok_s"] / second["output_tok_s"]}
-    print(f"warmup={str(warmup):5s} ready in {ready_s:5.1f} s | first burst {first['output_tok_s']:6.1f} tok/s, TTFT "
+    print(f"warmup={warmup!s:5s} ready in {ready_s:5.1f} s | first burst {first['output_tok_s']:6.1f} tok/s, TTFT "
           f"{first['median_ttft_ms']:7.1f} ms | second {second['output_tok_s']:6.1f} tok/s, TTFT "
           f"{second['median_ttft_ms']:7.1f} ms | first/second {row['first_over_second_tok_s']:.2f}x")
     return row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Annotated, Literal, get_args, get_origin
 
@@ -40,7 +40,7 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester."""
 
 
-class LogLevel(str, Enum):
+class LogLevel(StrEnum):
     critical = "critical"
     error = "error"
     warning = "warning"
@@ -60,7 +60,7 @@ Quantization = _engine_choices("Quantization", "quantization")
 KvCacheDtype = _engine_choices("KvCacheDtype", "kv_cache_dtype")
 
 
-class BackendKind(str, Enum):
+class BackendKind(StrEnum):
     native = "native"
     deepspeed = "deepspeed"
 
@@ -210,7 +210,7 @@ def serve(
 GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)  # typer choices
 
 
-class PlanDtype(str, Enum):
+class PlanDtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

@@ -7,7 +7,7 @@ import json
 import secrets
 from dataclasses import replace
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -29,12 +29,12 @@ console = Console()
 PAPER = {"requests": 1000, "input_len": "512", "schedule": Schedule.burst}  # arXiv 2311.03687
 
 
-class Endpoint(str, Enum):
+class Endpoint(StrEnum):
     completions = "completions"
     chat = "chat"
 
 
-class Preset(str, Enum):
+class Preset(StrEnum):
     paper = "paper"
 
 
@@ -118,12 +118,12 @@ def _unused(ctx: typer.Context) -> str | None:
 def run(
     ctx: typer.Context,
     url: Annotated[str | None, typer.Option(metavar="URL", help="Base URL shared by every --model.")] = None,
-    model: Annotated[list[str], typer.Option(metavar="NAME", help="Model name at --url; repeat to compare several.")] = [],
+    model: Annotated[list[str] | None, typer.Option(metavar="NAME", help="Model name at --url; repeat to compare several.")] = None,
     hardware: Annotated[str | None, typer.Option(
         metavar="TEXT", help="The --url server's hardware, for the leaderboard (a burstgate server reports its own).")] = None,
-    target: Annotated[list[str], typer.Option(
+    target: Annotated[list[str] | None, typer.Option(
         metavar="URL#MODEL[@HARDWARE]", help="A target; repeatable. HARDWARE declares the server's, for servers "
-        "without burstgate's GET /info.")] = [],
+        "without burstgate's GET /info.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="BURSTGATE_LOADTEST_API_KEY", metavar="KEY",
                                                 help="Bearer key sent to every target.")] = None,
     requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests per target and sweep point.")] = 100,
@@ -135,9 +135,9 @@ def run(
         "that would change it.")] = None,
     dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
                                                  help="Prompts from JSONL, ShareGPT or Alpaca JSON.")] = None,
-    tokenizer: Annotated[list[str], typer.Option(
+    tokenizer: Annotated[list[str] | None, typer.Option(
         metavar="PATH", help="Local tokenizer (HF dir or .gguf) for targets without /tokenize and for output "
-        "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).")] = [],
+        "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).")] = None,
     prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Shared prefix tokens (prefix-caching workloads).")] = 0,
     num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Distinct shared prefixes.")] = 1,
     schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.")] = Schedule.burst,
@@ -156,8 +156,8 @@ def run(
         "--ignore-eos/--no-ignore-eos", show_default="on for synthetic prompts, off for datasets",
         help="Ask for exactly max_tokens (vLLM extension).")] = None,
     timeout: Annotated[float, typer.Option(min=0.001, metavar="S", help="Per-request timeout.")] = 600.0,
-    goodput: Annotated[list[str], typer.Option(metavar="KEY:MS", help="SLO for goodput (ttft, tpot or e2el in ms); "
-                                                                      "repeatable.")] = [],
+    goodput: Annotated[list[str] | None, typer.Option(metavar="KEY:MS", help="SLO for goodput (ttft, tpot or e2el in ms); "
+                                                                      "repeatable.")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Client processes (when one cannot keep up).")] = 1,
     server_pid: Annotated[int | None, typer.Option(metavar="PID", help="Sample this local server process's CPU/RSS.")] = None,
     seed: Annotated[int | None, typer.Option(
@@ -176,7 +176,7 @@ def run(
     except MissingExtraError as exc:
         console.print(f"error: {exc}", style="red", markup=False, soft_wrap=True)  # [loadtest] is no markup
         raise typer.Exit(2) from None
-    targets = _targets(url, model, hardware, target, api_key, tokenizer)
+    targets = _targets(url, model or [], hardware, target or [], api_key, tokenizer or [])
     if unused := _unused(ctx):
         raise typer.BadParameter(unused, param_hint="options")
     if preset is Preset.paper:
@@ -194,7 +194,7 @@ def run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--schedule / --rate / --burstiness") from None
     base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency, duration_s=duration,
-                     slos_ms=_slos(goodput), workers=workers, server_pid=server_pid,
+                     slos_ms=_slos(goodput or []), workers=workers, server_pid=server_pid,
                      request=RequestOptions(endpoint.value, temperature, ignore_eos, timeout))
     session = Session(targets, workload, _sweep_points(base, sweep_concurrency, sweep_rate), warmup, seed)
     try:

@@ -119,7 +119,7 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
                 elif usage := event.get("usage"):
                     record.output_tokens = usage.get("completion_tokens") or 0
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         return _fail(record, "timeout", f"{type(exc).__name__} after {clock() - record.actual_send:.1f}s")
     except aiohttp.ClientError as exc:
         return _fail(record, "connection", repr(exc)[:500])

@@ -11,12 +11,12 @@ Fixed concurrency (closed loop) is not an arrival schedule: the runner enforces 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 
 
-class Schedule(str, Enum):
+class Schedule(StrEnum):
     burst = "burst"
     poisson = "poisson"
     gamma = "gamma"

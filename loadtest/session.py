@@ -9,7 +9,6 @@ prefix cache never serves a repeat) and per run unless ``seed`` is given, which 
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import statistics
 from collections.abc import Callable
@@ -108,7 +107,8 @@ async def run_session(session: Session, progress: Progress | None = None,
                 cfg = replace(cfg, seed=seed)
                 on_done = progress(f"{target.label}{point_desc(cfg)}", len(specs)) if progress else None
                 result = await run_target(target, specs, cfg, on_done, warm,
-                                          lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+                                          lambda text, tokenizer=tokenizer: len(tokenizer.encode(text,
+                                                                                              add_special_tokens=False)))
                 result.summary.update(
                     hardware=hardware, hardware_source=source, date=_now(),
                     tokenizer_id=str(target.tokenizer or "SmolLM2-135M-Instruct (embedded)"),
@@ -144,7 +144,7 @@ async def server_info(http: aiohttp.ClientSession, target: Target) -> dict | Non
     try:
         async with http.get(f"{target.url}/info", headers=headers) as r:
             info = await r.json() if r.status == 200 else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
     return info if isinstance(info, dict) and "devices" in info else None
 

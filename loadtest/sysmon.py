@@ -118,5 +118,5 @@ async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, f
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return {}

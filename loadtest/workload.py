@@ -193,7 +193,7 @@ class ServerCounter:
         """Whether the server answers /tokenize in the way this endpoint needs."""
         try:
             return await self.count("Hello") > 0 and bool(await self.encode("Hello"))
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError, TypeError):
+        except (TimeoutError, aiohttp.ClientError, KeyError, ValueError, TypeError):
             return False
 
 

@@ -13,6 +13,7 @@ step error once a tensor-parallel worker is gone), the backend is dead for good:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -170,7 +171,5 @@ def _put_all(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening any more
         loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-        pass

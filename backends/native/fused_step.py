@@ -121,7 +121,7 @@ class FusedStep:
         """Whether ``batch`` is a step this path runs: any mix of decodes and prefill chunks, few enough rows for
         the small-step copies (any number where the tile layouts are the weights' only copies)."""
         rows = len(batch.token_ids)
-        return 0 < rows and (self.max_rows is None or rows <= self.max_rows)
+        return rows > 0 and (self.max_rows is None or rows <= self.max_rows)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: CpuMetadata) -> torch.Tensor:
         """The step's fp32 logits [rows of ``meta.logits_indices``, vocab], as ``LlamaModel.forward`` returns them

@@ -157,9 +157,9 @@ def unsupported_json_features(schema: Any) -> str | None:
     if "object" in types and "propertyNames" in schema and (
             "properties" in schema or "patternProperties" in schema
             or schema.get("unevaluatedProperties", True) is not True
-            or isinstance(schema["propertyNames"], dict) and ("pattern" in schema["propertyNames"]
+            or (isinstance(schema["propertyNames"], dict) and ("pattern" in schema["propertyNames"]
                                                                or "format" in schema["propertyNames"])
-            and ("minLength" in schema["propertyNames"] or "maxLength" in schema["propertyNames"])):
+            and ("minLength" in schema["propertyNames"] or "maxLength" in schema["propertyNames"]))):
         return "propertyNames with properties or bounds"
     if "object" in types and isinstance(schema.get("patternProperties"), dict) and (
             "properties" in schema or len(schema["patternProperties"]) > 1):

@@ -131,7 +131,7 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(f"no safetensors files in {path}")
     for shard in shards:
         with safe_open(str(path / shard), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 yield name, f.get_tensor(name)
 
 

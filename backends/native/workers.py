@@ -11,6 +11,7 @@ closed connection; NCCL's timeout bounds it), so the step raises, its requests e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import socket
@@ -90,10 +91,8 @@ class ParallelRunner:
 
     def close(self) -> None:
         if self.alive:
-            try:
+            with contextlib.suppress(RuntimeError):  # a rank died meanwhile: the joins below end the others
                 self.tp.broadcast(_STOP)
-            except RuntimeError:
-                pass
         self._stop_workers()
         self.tp.leave()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 
 import pytest
 from starlette.applications import Starlette
@@ -100,7 +101,7 @@ def test_upstream_client_errors_stay_client_errors(upstream):
     assert "maximum context length" in err.message and err.param == "input_tokens"
 
 
-def test_closing_the_stream_aborts_upstream(upstream, engine_idle):
+def test_closing_the_stream_aborts_upstream(upstream, native_engine):
     async def main():
         adapter = _adapter(f"{upstream}/v1")
         try:
@@ -111,7 +112,15 @@ def test_closing_the_stream_aborts_upstream(upstream, engine_idle):
         finally:
             await adapter.close()
 
-    asyncio.run(main())  # engine_idle: the upstream engine freed every sequence
+    generated = native_engine.generation_tokens_total
+    asyncio.run(main())
+    blocks = native_engine.blocks
+    for _ in range(200):  # each abort reaches the engine at its next step
+        if not native_engine.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks:
+            break
+        time.sleep(0.05)
+    assert not native_engine.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks
+    assert native_engine.generation_tokens_total - generated < 6 * 300 / 2  # stopped long before their 300 tokens
 
 
 def test_health_info_and_tokenizer_routes(upstream, native_engine):

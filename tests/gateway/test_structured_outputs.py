@@ -21,7 +21,7 @@ Short = Field(max_length=16)
 Word = Annotated[str, Field(max_length=12)]
 
 
-class Colour(str, enum.Enum):
+class Colour(enum.StrEnum):
     red = "red"
     green = "green"
     blue = "blue"

@@ -4,6 +4,7 @@ the answer is a model or a 400 naming the field, never a 5xx, and one bad reques
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -84,10 +85,8 @@ def test_generation_requests_are_a_model_or_a_clear_refusal(model, strategy):
 @FUZZ
 def test_tokenizer_requests_are_a_model_or_a_clear_refusal(body):
     for model in (TokenizeRequest, DetokenizeRequest):
-        try:
+        with contextlib.suppress(ValidationError):  # a refusal is fine; anything else fails the test
             model.model_validate(body)
-        except ValidationError:
-            pass
 
 
 def _no_server_error(r: httpx.Response) -> None:

@@ -22,7 +22,7 @@ from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
 
-__all__ = ["AttentionBackend", "KERNEL_CHOICES", "Kernels", "StepMetadata", "choose_kernels"]
+__all__ = ["KERNEL_CHOICES", "AttentionBackend", "Kernels", "StepMetadata", "choose_kernels"]
 
 KERNEL_CHOICES = ("auto", "torch")
 

@@ -73,11 +73,11 @@ def test_outputs_equal_the_synchronous_engines_for_every_way_of_stopping(engines
 
 
 def test_a_steps_tokens_arrive_with_the_next_call_and_no_step_runs_past_max_tokens(engines, prompts):
-    sync, overlapped = engines
+    overlapped = engines[1]
     steps = {}
     for engine in engines:
         calls, execute = [], engine.runner.execute
-        engine.runner.execute = lambda *a, **k: calls.append(1) or execute(*a, **k)
+        engine.runner.execute = lambda *a, calls=calls, execute=execute, **k: calls.append(1) or execute(*a, **k)
         try:
             _run(engine, prompts, [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * len(prompts))
         finally:

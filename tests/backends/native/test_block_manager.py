@@ -86,7 +86,7 @@ def test_a_blocks_key_is_the_sha256_of_its_whole_prefix():
     a, b = _seq("a", [1, 2, 3, 4, 5]), _seq("b", [9, 9, 3, 4, 5])
     _prefill(bm, a)
     _prefill(bm, b)
-    (a1, a2), (b1, b2) = ([bm.blocks[i].hash for i in s.block_table[:2]] for s in (a, b))
+    (a1, a2), (_, b2) = ([bm.blocks[i].hash for i in s.block_table[:2]] for s in (a, b))
     assert a1 == block_hash(None, [1, 2]) and a2 == block_hash(a1, [3, 4]) and len(a2) == 32
     assert a2 != b2  # same tokens [3, 4], other prefix: another key, so no false hit
     assert bm.match_prefix(_seq("c", [9, 8, 3, 4, 5])) == []

@@ -91,7 +91,7 @@ def _warm_step_faults() -> list[int]:
              prefill_batch([list(range(100, 108))] * 8, runner.block_size)[0]]
     for step in steps * 2:
         runner.execute(step)
-    return [_faults(lambda: runner.execute(step)) for step in steps * 3]
+    return [_faults(lambda step=step: runner.execute(step)) for step in steps * 3]
 
 
 @glibc

@@ -13,8 +13,8 @@ import torch
 if not torch.cuda.is_available():  # before the Triton kernels are decorated: run them on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
-from backends.native.rotary import RotaryEmbedding  # noqa: E402
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
+from backends.native.rotary import RotaryEmbedding
 
 # bf16: both sides round at the same points, but the fp32 arithmetic before a rounding may differ by
 # an ulp, which can flip a rounded value by one bf16 ulp (2^-8 relative); two roundings, two ulps.

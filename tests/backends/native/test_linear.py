@@ -4,6 +4,8 @@ AMX tiles, steps of any size), and on CPUs with AVX-512 fp32 layers with a strip
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,7 +236,7 @@ def test_small_steps_read_the_tile_copy_and_larger_ones_the_onednn_copy():
 def test_tile_kernel_serves_steps_of_any_size_on_amx_and_small_ones_on_avx512_bf16_vectors():
     """What the kernel library says it serves follows the CPU: AMX tiles any step, AVX512-BF16 alone (AMD Zen 4)
     steps of up to TILE_ROWS rows, which it then multiplies on vectors; past them it refuses, naming the weight."""
-    flags = open("/proc/cpuinfo").read().split()
+    flags = Path("/proc/cpuinfo").read_text().split()
     expected = (TILE_STEPS_ANY if "amx_bf16" in flags else TILE_STEPS_SMALL if "avx512_bf16" in flags
                 else TILE_STEPS_NONE)
     if not can_pack(torch.bfloat16, torch.device("cpu")) or (expected and not can_tile(torch.zeros(16, 32).bfloat16())):

@@ -14,12 +14,12 @@ import torch
 if not torch.cuda.is_available():  # before the Triton kernel is decorated: run it on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from backends.native.attention import Kernels, choose_kernels  # noqa: E402
-from backends.native.attention.cpu_attention import CpuAttention  # noqa: E402
-from backends.native.attention.torch_attention import TorchAttention  # noqa: E402
-from backends.native.batch import Batch  # noqa: E402
-from backends.native.config import ModelConfig  # noqa: E402
-from backends.native.layer_ops import CpuLayerOps, TorchLayerOps  # noqa: E402
+from backends.native.attention import Kernels, choose_kernels
+from backends.native.attention.cpu_attention import CpuAttention
+from backends.native.attention.torch_attention import TorchAttention
+from backends.native.batch import Batch
+from backends.native.config import ModelConfig
+from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None and (INTERPRETED or torch.cuda.is_available())
@@ -73,7 +73,7 @@ def make_step(hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.devic
 
 
 def reference(q, k_cache, v_cache, batch: Batch, scale: float) -> torch.Tensor:
-    hkv, _, bs, d = k_cache.shape
+    hkv, _, _, d = k_cache.shape
     group = q.shape[1] // hkv
     out, start = [], 0
     for n, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
