@@ -11,13 +11,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from backends.deepspeed_config import DeepSpeedConfig
 from backends.http import RemoteConfig, TextServerConfig, env_reference, from_environment
 from backends.mii import MIIConfig
 from backends.native.config import EngineConfig
+from gateway.routing import routing_config
+from gateway.routing.least_outstanding import LeastOutstandingConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -79,16 +81,20 @@ DeploymentConfig = Annotated[
     Discriminator(_kind)]
 
 
-# How a model's requests are spread over its deployments (gateway/routing.py says what each does)
-Routing = Literal["least_outstanding", "round_robin", "latency", "prefix_affinity"]
+RoutingConfig = routing_config()  # every registered policy's config, by its ``policy:``
 
 
 class ModelRoute(_Strict):
     name: str = Field(min_length=1)
     deployments: list[DeploymentConfig] = Field(min_length=1)
-    routing: Routing = "least_outstanding"
+    # the routing policy (gateway/routing/): its name, or policy: and its settings
+    routing: RoutingConfig = Field(default_factory=LeastOutstandingConfig)
     fallbacks: list[str] = Field(default_factory=list)  # models tried, in order, when none of ours answers
-    prefix_chars: int = Field(256, ge=1)  # prefix_affinity: leading characters that pick the deployment
+
+    @field_validator("routing", mode="before")
+    @classmethod
+    def _named_policy(cls, value: Any) -> Any:
+        return {"policy": value} if isinstance(value, str) else value
 
 
 class Resilience(_Strict):

@@ -49,6 +49,11 @@ class GatewayMetrics:
                                    ("backend",), registry=r)
         self.rate_limited = Counter("burstgate:rate_limited_requests", "Requests refused by a key's limit.",
                                     ("key",), registry=r)
+        self.routing_decisions = Counter("burstgate:routing_decisions", "Requests routed, by the policy's reason "
+                                         "(prefix_hit, no_prefix, load_guard, kv_guard, ...).",
+                                         ("model", "backend", "reason"), registry=r)
+        self.prefix_index_blocks = Gauge("burstgate:prefix_index_blocks", "KV blocks the routing index says a "
+                                         "deployment holds.", ("model", "backend"), registry=r)
         # Leaks show here first (the soak suite reads them): memory and descriptors of the process, and the
         # asyncio tasks alive in the serving loop.
         ProcessCollector(registry=r)

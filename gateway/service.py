@@ -26,7 +26,7 @@ from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.routing import ModelGroup
+from gateway.routing import Choice, ModelGroup
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Gateway:
                                     on_change=self._export_health)
         self.metrics.watch_engines(self._engine_stats)
         self.metrics.watch_models(lambda: ((name, self.can_serve(g)) for name, g in self.groups.items()))
+        self._background: list[asyncio.Task] = []  # the routing policies' own work (scrapers, event readers)
         for d in self.health.deployments:
             d.breaker.on_change = self._breaker_exporter(d)
 
@@ -75,8 +76,7 @@ class Gateway:
                     limiter=ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
                     breaker=CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
                     first_token_timeout_s=cfg.first_token_timeout_s, total_timeout_s=cfg.total_timeout_s, config=cfg))
-            groups.append(ModelGroup(route.name, deployments, routing=route.routing, fallbacks=route.fallbacks,
-                                     prefix_chars=route.prefix_chars))
+            groups.append(ModelGroup(route.name, deployments, routing=route.routing, fallbacks=route.fallbacks))
         return cls(settings, groups)
 
     # -------------------------------------------------------------------------------- lifecycle
@@ -90,11 +90,16 @@ class Gateway:
             await backend.start()
         await self.health.check_once()
         self.health.start()
+        self._background = [asyncio.create_task(job(), name=f"routing {g.name}")
+                            for g in self.groups.values() for job in g.policy.background()]
         for group in self.groups.values():
             for d in group.deployments:
                 log.info("model %-28s -> %-32s %s", group.name, d.name, "up" if d.healthy else "DOWN")
 
     async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.stop()
         for backend in self.backends:
             await backend.close()
@@ -151,10 +156,14 @@ class Gateway:
                 if attempt:
                     await asyncio.sleep(random.uniform(0, min(self.resilience.retry_backoff_max_s,
                                                               self.resilience.retry_backoff_s * 2 ** (attempt - 1))))
-                deployment = _choose(g, request, tried)
-                if deployment is None:
+                choice = await _choose(g, request, tried)
+                if choice is None:
                     last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
                     break
+                deployment = choice.deployment
+                self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
+                if (blocks := g.policy.index_blocks(deployment)) is not None:
+                    self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
                 deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
                 if failed is not None:
                     self.metrics.retries.labels(*failed, last_error.kind).inc()
@@ -226,11 +235,11 @@ class Gateway:
                 await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
 
 
-def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment]) -> Deployment | None:
+async def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment]) -> Choice | None:
     """A deployment not tried yet, else any available one (a retry on the same backend beats none)."""
     for exclude in (tried, ()):
         try:
-            return group.choose(request, exclude=exclude)
+            return await group.route(request, exclude=exclude)
         except UnavailableError:
             if not tried:
                 return None

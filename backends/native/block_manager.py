@@ -14,11 +14,10 @@ the one step that would write a shared partly filled block first gives the write
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from backends.native.block_hash import block_hash
 from backends.native.sequence import Sequence
 
 
@@ -27,11 +26,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None
-
-
-def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
-    """The prefix-cache key of a full block: sha256 over the parent block's key and this block's token ids."""
-    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class BlockManager:

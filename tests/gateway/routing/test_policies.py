@@ -1,7 +1,9 @@
-"""Routing strategies choose among available deployments as documented in gateway/routing.py."""
+"""The policies that need no index choose among available deployments as their modules say (gateway/routing/),
+and no registered policy ever chooses a deployment that may not take the request."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -12,7 +14,11 @@ from backends.openai_http import OpenAIHTTPBackend
 from gateway.breaker import CircuitBreaker
 from gateway.deployments import Deployment
 from gateway.limits import ConcurrencyLimiter
-from gateway.routing import ModelGroup
+from gateway.routing import POLICIES, ModelGroup
+from gateway.routing.latency import LatencyConfig
+from gateway.routing.policy import PolicyConfig
+from gateway.routing.prefix_affinity import PrefixAffinityConfig
+from gateway.routing.round_robin import RoundRobinConfig
 
 
 def deployment(name: str, weight: float = 1.0, in_flight: int = 0) -> Deployment:
@@ -24,21 +30,22 @@ def deployment(name: str, weight: float = 1.0, in_flight: int = 0) -> Deployment
     return d
 
 
-def request(prompt: str) -> GenerationRequest:
-    return GenerationRequest("r", "m", SamplingParams(), prompt=prompt)
+def request(prompt: str, prompt_ids: bool = False) -> GenerationRequest:
+    """A completion of ``prompt`` (as character codes with ``prompt_ids``: token ids no tokenizer has to make)."""
+    return GenerationRequest("r", "m", SamplingParams(), prompt=[ord(c) for c in prompt] if prompt_ids else prompt)
 
 
 def test_round_robin_is_smooth_and_weighted():
     a, b = deployment("a", weight=2), deployment("b")
-    group = ModelGroup("m", [a, b], routing="round_robin")
-    picks = [group.choose().name for _ in range(9)]
+    group = ModelGroup("m", [a, b], routing=RoundRobinConfig())
+    picks = [group.choose(request("p")).name for _ in range(9)]
     assert picks == ["a", "b", "a"] * 3
 
 
 def test_least_outstanding_prefers_the_idlest_per_unit_of_weight():
     busy, idle, big = deployment("busy", in_flight=3), deployment("idle", in_flight=1), deployment("big", 4, 3)
     group = ModelGroup("m", [busy, idle, big])
-    assert group.choose() is big  # 3/4 < 1/1 < 3/1
+    assert group.choose(request("p")) is big  # 3/4 < 1/1 < 3/1
 
 
 def test_latency_prefers_the_faster_backend_until_its_queue_makes_it_slower():
@@ -46,10 +53,10 @@ def test_latency_prefers_the_faster_backend_until_its_queue_makes_it_slower():
     for _ in range(20):
         fast.observe_ttft(0.1)
         slow.observe_ttft(0.5)
-    group = ModelGroup("m", [fast, slow], routing="latency")
-    assert group.choose() is fast
+    group = ModelGroup("m", [fast, slow], routing=LatencyConfig())
+    assert group.choose(request("p")) is fast
     fast.limiter.in_flight = 9  # expected wait 0.1 × 10 = 1.0 s > 0.5 s
-    assert group.choose() is slow
+    assert group.choose(request("p")) is slow
 
 
 def test_ewma_moves_towards_new_observations():
@@ -61,7 +68,7 @@ def test_ewma_moves_towards_new_observations():
 
 def test_prefix_affinity_sends_a_shared_prefix_to_one_deployment_and_spreads_the_rest():
     ds = [deployment(f"d{i}") for i in range(3)]
-    group = ModelGroup("m", ds, routing="prefix_affinity", prefix_chars=32)
+    group = ModelGroup("m", ds, routing=PrefixAffinityConfig(prefix_chars=32))
     system = "You are a terse assistant. " * 3
     owners = {group.choose(request(system + f"question {i}")).name for i in range(50)}
     assert len(owners) == 1
@@ -71,7 +78,7 @@ def test_prefix_affinity_sends_a_shared_prefix_to_one_deployment_and_spreads_the
 
 def test_prefix_affinity_moves_only_the_prefixes_of_a_removed_deployment():
     ds = [deployment(f"d{i}") for i in range(4)]
-    group = ModelGroup("m", ds, routing="prefix_affinity")
+    group = ModelGroup("m", ds, routing=PrefixAffinityConfig())
     prompts = [f"prompt {i}" for i in range(400)]
     before = {p: group.choose(request(p)) for p in prompts}
     ds[1].healthy = False
@@ -82,20 +89,27 @@ def test_prefix_affinity_moves_only_the_prefixes_of_a_removed_deployment():
 
 def test_prefix_affinity_yields_to_load_balance_when_the_owner_is_far_busier():
     a, b = deployment("a"), deployment("b")
-    group = ModelGroup("m", [a, b], routing="prefix_affinity", balance_threshold=4)
+    group = ModelGroup("m", [a, b], routing=PrefixAffinityConfig(balance_threshold=4))
     owner = group.choose(request("same prefix"))
     other = b if owner is a else a
     owner.limiter.in_flight = 5
     assert group.choose(request("same prefix")) is other
 
 
-@pytest.mark.parametrize("strategy", ["least_outstanding", "round_robin", "latency", "prefix_affinity"])
-def test_no_strategy_chooses_an_unhealthy_open_or_excluded_deployment(strategy):
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_policy_chooses_an_unhealthy_open_or_excluded_deployment(policy):
     sick, broken, tried, good = (deployment(n) for n in ("sick", "broken", "tried", "good"))
     sick.healthy = False
     broken.breaker.failure()
     broken.breaker.failure()  # threshold 2: open for 60 s
-    group = ModelGroup("m", [sick, broken, tried, good], routing=strategy)
+    config: PolicyConfig = POLICIES[policy].Config()
+    group = ModelGroup("m", [sick, broken, tried, good], routing=config)
+
+    async def routed():
+        choices = [await group.route(request(f"p{i}", prompt_ids=True), exclude=[tried]) for i in range(40)]
+        with pytest.raises(UnavailableError, match="no healthy backend for model 'm'"):
+            await group.route(request("p", prompt_ids=True), exclude=[tried, good])
+        return {c.deployment.name for c in choices}
+
+    assert asyncio.run(routed()) == {"good"}
     assert {group.choose(request(f"p{i}"), exclude=[tried]).name for i in range(40)} == {"good"}
-    with pytest.raises(UnavailableError, match="no healthy backend for model 'm'"):
-        group.choose(request("p"), exclude=[tried, good])

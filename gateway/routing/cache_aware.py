@@ -1,0 +1,134 @@
+"""``cache_aware``: each request to the deployment where it costs least, counting what the engine must prefill
+and how loaded it is; guards keep a popular prefix from piling onto one replica.
+
+For every healthy candidate ``d`` the cost of sending a prompt of ``n`` tokens there is
+
+    cost(d) = (n - cached(d)) + load_cost_tokens x load(d)
+
+``cached(d)``: the tokens of the prompt's leading full blocks that ``d`` holds (prefix_index.py: from this
+gateway's own routing, or precisely from the engine's KV events); ``load(d)``: the requests ``d`` runs and
+queues, as its engine reports them (engine_load.py; every gateway replica reads the same) or, where that is
+stale or missing, this gateway's own in-flight count, whichever is larger (a dispatch the engine has not
+reported yet still counts). So a prefix hit of ``k`` tokens is worth ``k / load_cost_tokens`` requests of load:
+a conversation stays where its history is until that replica is that much busier than another, then moves (and
+the replica it moves to holds its history from then on: affinity is never dropped for good).
+
+Guards, before the costs:
+- imbalance (SGLang's ``balance_abs_threshold`` / ``balance_rel_threshold``): when the busiest candidate has more
+  than ``balance_abs_threshold`` requests over the idlest and more than ``balance_rel_threshold`` times its load,
+  only the candidates within ``balance_abs_threshold`` of the idlest stay;
+- a KV cache fuller than ``kv_high_watermark`` takes no new request while another candidate is below it.
+Ties (costs within ``tie_tokens``) go to the deployment that served the request's session last (OpenAI's
+``user``), else to the least loaded, the one holding more of the prompt, then at random.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from backends.native.block_hash import block_hashes
+from gateway.routing.engine_load import LoadReader
+from gateway.routing.policy import Choice, Policy, PolicyConfig, RoutedRequest, least_loaded, register
+from gateway.routing.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from gateway.deployments import Deployment
+
+SESSIONS = 100_000  # sessions remembered for ties, least recently seen dropped first
+
+
+class CacheAwareConfig(PolicyConfig):
+    policy: Literal["cache_aware"] = "cache_aware"
+    # tokens per KV block of the engines (vLLM's --block-size); None: the native engine's own, else 16
+    block_size: int | None = Field(None, ge=1)
+    # local HF directory or .gguf whose tokenizer is the engines' (remote deployments); None: an in-process
+    # engine's, else the first deployment's /tokenize; without either, prompts are cut into characters
+    tokenizer: str | None = None
+    load_cost_tokens: float = Field(256.0, ge=0)  # uncached prompt tokens one running or queued request is worth
+    balance_abs_threshold: int = Field(32, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    kv_high_watermark: float = Field(0.95, gt=0, le=1)
+    tie_tokens: float = Field(16.0, ge=0)
+    index_blocks: int = Field(200_000, ge=1)  # blocks remembered per deployment (LRU)
+    load_interval_s: float = Field(1.0, gt=0)  # how often the engines' /metrics are read
+
+
+@register
+class CacheAware(Policy):
+    name = "cache_aware"
+    Config = CacheAwareConfig
+    needs_tokens = True
+
+    def __init__(self, config: CacheAwareConfig, deployments: list[Deployment]) -> None:
+        super().__init__(config, deployments)
+        self.index = PrefixIndex(config.index_blocks)
+        self.loads = LoadReader(deployments, config.load_interval_s)
+        self._block_size = config.block_size
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> deployment name
+
+    def background(self):
+        return [self.loads.run]
+
+    @property
+    def block_size(self) -> int:
+        """The configured block size, else an in-process engine's (known once it started), else vLLM's 16."""
+        if self._block_size is None:
+            self._block_size = _engine_block_size(self.deployments)
+        return self._block_size or 16
+
+    def index_blocks(self, deployment: Deployment) -> int:
+        return self.index.size(deployment.name)
+
+    def load(self, d: Deployment) -> float:
+        """Requests ``d`` runs and queues: the engine's figure or this gateway's in-flight count, the larger."""
+        engine = self.loads.load(d)
+        reported = engine.running + engine.waiting if engine is not None else 0.0
+        return max(reported, float(d.outstanding)) / d.weight
+
+    def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
+        reason = None
+        loads = {d.name: self.load(d) for d in candidates}
+        idlest, busiest = min(loads.values()), max(loads.values())
+        cfg = self.config
+        if busiest - idlest > cfg.balance_abs_threshold and busiest > cfg.balance_rel_threshold * idlest:
+            candidates = [d for d in candidates if loads[d.name] <= idlest + cfg.balance_abs_threshold]
+            reason = "load_guard"
+        roomy = [d for d in candidates if (load := self.loads.load(d)) is None or load.kv_usage < cfg.kv_high_watermark]
+        if roomy and len(roomy) < len(candidates):
+            candidates, reason = roomy, reason or "kv_guard"
+        tokens = request.tokens or []
+        keys = request.notes["keys"] = block_hashes(tokens, self.block_size)
+        cached = {d.name: self.index.match(d.name, keys) * self.block_size for d in candidates}
+        cost = {d.name: len(tokens) - cached[d.name] + cfg.load_cost_tokens * loads[d.name] for d in candidates}
+        best = min(cost.values())
+        tied = [d for d in candidates if cost[d.name] <= best + cfg.tie_tokens]
+        sticky = self._sessions.get(request.session) if request.session else None
+        chosen = next((d for d in tied if d.name == sticky), None) or least_loaded(
+            tied, lambda d: (loads[d.name], -cached[d.name]))
+        if reason is None:
+            reason = "prefix_hit" if cached[chosen.name] else "no_prefix" if keys else "no_tokens"
+        return Choice(chosen, reason)
+
+    def dispatched(self, deployment: Deployment, request: RoutedRequest) -> None:
+        keys = request.notes.get("keys")
+        if keys is None and request.tokens:
+            keys = block_hashes(request.tokens, self.block_size)
+        if keys:
+            self.index.record(deployment.name, keys)  # approximate: its prefill will leave them there
+        if request.session:
+            self._sessions[request.session] = deployment.name
+            self._sessions.move_to_end(request.session)
+            while len(self._sessions) > SESSIONS:
+                self._sessions.popitem(last=False)
+
+
+def _engine_block_size(deployments: list[Deployment]) -> int | None:
+    """The KV block size of an in-process native engine among ``deployments`` (once started), if any."""
+    for d in deployments:
+        engine = getattr(d.backend, "_engine", None)
+        if engine is not None:
+            return engine.blocks.block_size
+    return None

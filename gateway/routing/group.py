@@ -1,0 +1,87 @@
+"""A public model name's deployments, the policy routing among them, and the models to fall back to."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from backends.base import GenerationRequest, UnavailableError
+from gateway.routing.least_outstanding import LeastOutstandingConfig
+from gateway.routing.policy import POLICIES, Choice, PolicyConfig, RoutedRequest
+
+if TYPE_CHECKING:
+    from gateway.deployments import Deployment
+
+
+class ModelGroup:
+    def __init__(self, name: str, deployments: list[Deployment], routing: PolicyConfig | None = None,
+                 fallbacks: Collection[str] = ()) -> None:
+        self.name = name
+        self.deployments = deployments
+        self.fallbacks = list(fallbacks)
+        config = routing or LeastOutstandingConfig()
+        self.policy = POLICIES[config.policy](config, deployments)
+        self._tokenizer: Any = None  # the policy config's local tokenizer, loaded on first use
+
+    @property
+    def routing(self) -> str:
+        """The routing policy's name."""
+        return self.policy.name
+
+    @property
+    def ready(self) -> bool:
+        return any(d.healthy for d in self.deployments)
+
+    def candidates(self, exclude: Collection[Deployment] = ()) -> list[Deployment]:
+        """Deployments that may take a request: healthy, breaker letting requests through, not excluded."""
+        candidates = [d for d in self.deployments if d.available and d not in exclude]
+        if not candidates:
+            raise UnavailableError(f"no healthy backend for model '{self.name}'")
+        return candidates
+
+    async def route(self, request: GenerationRequest, exclude: Collection[Deployment] = ()) -> Choice:
+        """The deployment that serves ``request`` and why; the policy hears of the dispatch. Raises
+        ``UnavailableError`` when none is available."""
+        candidates = self.candidates(exclude)
+        routed = RoutedRequest(request, session=request.user)
+        if self.policy.needs_tokens:
+            routed.tokens, routed.tokens_source = await self.tokens(request, candidates)
+        choice = self.policy.choose(candidates, routed) if len(candidates) > 1 else Choice(candidates[0], "only")
+        self.policy.dispatched(choice.deployment, routed)
+        return choice
+
+    def choose(self, request: GenerationRequest | None = None, exclude: Collection[Deployment] = ()) -> Deployment:
+        """A deployment for work that needs any (tokenizing): the policy's choice without token ids."""
+        candidates = self.candidates(exclude)
+        if len(candidates) == 1 or request is None:
+            return min(candidates, key=lambda d: d.outstanding / d.weight)
+        return self.policy.choose(candidates, RoutedRequest(request, session=request.user)).deployment
+
+    async def tokens(self, request: GenerationRequest, candidates: list[Deployment]) -> tuple[list[int], str]:
+        """The request's token ids as the engines will see them, and who counted them: the request itself, the
+        policy's tokenizer, an in-process engine, a deployment's /tokenize, else the prompt's characters."""
+        if isinstance(request.prompt, list):
+            return request.prompt, "request"
+        path = getattr(self.policy.config, "tokenizer", None)
+        if path is not None:
+            return self._local_tokens(Path(path), request), "tokenizer"
+        native = [d for d in candidates if d.backend.stats() is not None]  # an in-process engine's own tokenizer
+        for d in native or candidates:
+            try:
+                ids = await d.backend.tokenize(request.prompt, request.messages, request.add_special_tokens,
+                                               request.tools)
+                return ids, "engine" if native else "server"
+            except Exception:  # no /tokenize there: the next, else characters
+                continue
+        text = request.prompt if request.messages is None else "".join(str(m.get("content")) for m in request.messages)
+        return [ord(c) for c in text or ""], "characters"
+
+    def _local_tokens(self, path: Path, request: GenerationRequest) -> list[int]:
+        if self._tokenizer is None:
+            from backends.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer(path)
+        if request.messages is not None:
+            return self._tokenizer.apply_chat_template(request.messages, tools=request.tools)
+        return self._tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
