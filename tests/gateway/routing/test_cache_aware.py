@@ -92,7 +92,7 @@ def test_a_nearly_full_kv_cache_takes_no_request_while_another_has_room():
 
 
 def test_ties_go_to_the_replica_that_served_the_session_last():
-    group, (a, b) = group_of("a", "b")
+    group, _ = group_of("a", "b")
     firsts = {send(group, ids(f"hello {i}"), user="alice", hold=False).deployment.name for i in range(10)}
     assert len(firsts) == 1  # no cache to tell them apart, equal load: alice stays where she was
     spread = {send(group, ids(f"hello {i}"), hold=False).deployment.name for i in range(40)}
@@ -100,7 +100,7 @@ def test_ties_go_to_the_replica_that_served_the_session_last():
 
 
 def test_a_replica_that_goes_down_is_never_chosen_and_its_conversations_rehome():
-    group, (a, b) = group_of("a", "b")
+    group, _ = group_of("a", "b")
     history = ids("a long conversation so far " * 20)
     first = send(group, history, hold=False).deployment
     first.healthy = False
