@@ -38,6 +38,10 @@ class _Deployment(_Strict):
     # timeouts enforced by the gateway for every kind; None: no limit (a burst may queue for minutes)
     first_token_timeout_s: float | None = Field(None, gt=0)
     total_timeout_s: float | None = Field(None, gt=0)
+    # where this deployment's engine publishes its KV-cache events (vLLM's --kv-events-config endpoint, as a
+    # reader connects to it: tcp://vllm-0:5557), and their topic: cache_aware routing follows them
+    kv_events: str | None = None
+    kv_events_topic: str = ""
 
 
 # One class per kind: the gateway's fields plus the backend's own configuration, which the backend

@@ -54,6 +54,9 @@ class GatewayMetrics:
                                          ("model", "backend", "reason"), registry=r)
         self.prefix_index_blocks = Gauge("burstgate:prefix_index_blocks", "KV blocks the routing index says a "
                                          "deployment holds.", ("model", "backend"), registry=r)
+        self.prefix_index_precise = Gauge("burstgate:prefix_index_precise", "1 while the routing index follows the "
+                                          "engine's KV events, 0 when it is kept from routing decisions alone.",
+                                          ("model", "backend"), registry=r)
         # Leaks show here first (the soak suite reads them): memory and descriptors of the process, and the
         # asyncio tasks alive in the serving loop.
         ProcessCollector(registry=r)

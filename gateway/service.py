@@ -164,6 +164,8 @@ class Gateway:
                 self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
                 if (blocks := g.policy.index_blocks(deployment)) is not None:
                     self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
+                    self.metrics.prefix_index_precise.labels(g.name, deployment.name).set(
+                        g.policy.index_precise(deployment))
                 deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
                 if failed is not None:
                     self.metrics.retries.labels(*failed, last_error.kind).inc()

@@ -6,6 +6,9 @@ it is only forgotten when the queue hands it out again (lazy eviction, as vLLM a
 Only full blocks are hashed, each key the sha256 of its parent's key and its own tokens, so a hit means
 "this whole prefix" with no guard needed against colliding keys (vLLM's ``sha256`` prefix-caching hash).
 
+With ``events`` on, every block that enters the cache (findable by its key) and every one that leaves it is
+recorded as vLLM's KV events, for the engine to publish (routers follow them).
+
 Parallel samples of one prompt (``n`` > 1) share its blocks (``fork``). A shared block is never written:
 the one step that would write a shared partly filled block first gives the writer its own copy
 (copy-on-write), and the model runner copies the block's keys and values before the step
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from backends.native.block_hash import block_hash
 from backends.native.sequence import Sequence
 
@@ -41,6 +45,10 @@ class BlockManager:
         self._copies: list[tuple[int, int]] = []  # (source, destination) block copies for the next step
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        # When a list: what enters and leaves the prefix cache, as vLLM's KV events (backends/kv_events.py), for
+        # the engine to publish after each step; ``medium`` names the memory they are in ("GPU" or "CPU").
+        self.events: list | None = None
+        self.medium = "GPU"
 
     # ------------------------------------------------------------------------------------ figures
     @property
@@ -143,6 +151,8 @@ class BlockManager:
         if block.hash is not None:
             if self._cached.get(block.hash) == block_id:
                 del self._cached[block.hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.hash], self.medium))
             block.hash = None
         block.ref_count = 1
         return block_id
@@ -154,11 +164,20 @@ class BlockManager:
         if not self.enable_prefix_caching or full <= seq.num_hashed_blocks:
             return
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        stored = None  # the event of a run of newly cached blocks
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
-            h = block_hash(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            h = block_hash(parent, tokens)
             block.hash = h
-            self._cached.setdefault(h, block.block_id)  # an equal block cached earlier stays canonical
+            if self._cached.setdefault(h, block.block_id) != block.block_id:  # an equal block cached earlier
+                stored = None  # stays canonical: nothing new is cached
+            elif self.events is not None:
+                if stored is None:
+                    stored = BlockStored([], parent, [], self.block_size, None, self.medium)
+                    self.events.append(stored)
+                stored.block_hashes.append(h)
+                stored.token_ids.extend(tokens)
             parent = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
@@ -166,6 +185,8 @@ class BlockManager:
         """Forget every cached block and the hit counters (vLLM's ``reset_prefix_cache``); no block may be held."""
         assert self.num_free_blocks == self.num_blocks, "blocks are still held"
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         for block in self.blocks:
             block.hash = None
         self.prefix_queries = self.prefix_hits = 0

@@ -32,6 +32,17 @@ def torch_dtype_named(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+class KVEventsConfig(BaseModel):
+    """vLLM's ``--kv-events-config``: publish what enters and leaves the prefix cache (backends/kv_events.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["zmq", "null"] = "zmq"
+    endpoint: str = "tcp://*:5557"  # ZMQ PUB socket it binds
+    topic: str = ""
+
+
 class EngineConfig(BaseModel):
     """Everything the native engine runs with, validated once. A native deployment's configuration *is*
     this model (plus the gateway's own fields), so a new engine setting is one field here."""
@@ -66,6 +77,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False  # every step through the torch modules: no CUDA graphs, no fused CPU steps (vLLM's name)
     # schedule the next step while the GPU runs this one (vLLM's --async-scheduling); None: on CUDA (scheduler.py)
     async_scheduling: bool | None = None
+    kv_events_config: KVEventsConfig = Field(default_factory=KVEventsConfig)  # vLLM's; for cache-aware routers
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
     # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are

@@ -24,6 +24,7 @@ from backends.base import (
     TokenLogprob,
     Usage,
 )
+from backends.kv_events import KVEventBatch, ZmqEventPublisher
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.model_runner import ModelRunner, kv_bytes_per_block
@@ -70,6 +71,12 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.overlap_steps = config.overlaps_steps(self.runner.device)  # async scheduling (step())
+        self.kv_events = None  # the publisher of the prefix cache's KV events (backends/kv_events.py), if on
+        events = config.kv_events_config
+        if events.enable_kv_cache_events and events.publisher == "zmq":
+            self.kv_events = ZmqEventPublisher(events.endpoint, events.topic)
+            self.blocks.events = []
+            self.blocks.medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
         self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
         eos = set(checkpoint.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -104,6 +111,7 @@ class LLMEngine:
         prompts = [[(7 + 13 * i + j) % self.vocab_size for j in range(length)] for i in range(2)]
         self.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         self.blocks.reset_prefix_cache()
+        self._publish_kv_events()  # AllBlocksCleared: readers forget the warm-up's blocks
         self.prompt_tokens_total = self.generation_tokens_total = self.scheduler.num_preemptions = 0
         log.info("native engine: warmed up in %.2f s", time.perf_counter() - started)
 
@@ -187,8 +195,10 @@ class LLMEngine:
         return self.runner.alive
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
+        """Stop the tensor-parallel workers, if any, and the KV events' publisher."""
         self.runner.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -197,8 +207,17 @@ class LLMEngine:
         the host's bookkeeping overlapping the device's work. Requests that need each token on the host before
         the next step is scheduled (``_overlappable``) run synchronously, the step in flight finished first."""
         if self.overlap_steps and self._overlappable():
-            return self._launch_step()
-        return self._finish_in_flight() + self._sync_step()
+            outputs = self._launch_step()
+        else:
+            outputs = self._finish_in_flight() + self._sync_step()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.blocks.events
+        if events:
+            self.kv_events.publish(KVEventBatch(time.time(), list(events)))
+            events.clear()
 
     def _sync_step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()

@@ -6,7 +6,8 @@ For every healthy candidate ``d`` the cost of sending a prompt of ``n`` tokens t
     cost(d) = (n - cached(d)) + load_cost_tokens x load(d)
 
 ``cached(d)``: the tokens of the prompt's leading full blocks that ``d`` holds (prefix_index.py: from this
-gateway's own routing, or precisely from the engine's KV events); ``load(d)``: the requests ``d`` runs and
+gateway's own routing, and where a deployment names its engine's KV events (``kv_events:``) precisely from
+them: blocks stored and evicted; when they stop, the index is the gateway's own again); ``load(d)``: the requests ``d`` runs and
 queues, as its engine reports them (engine_load.py; every gateway replica reads the same) or, where that is
 stale or missing, this gateway's own in-flight count, whichever is larger (a dispatch the engine has not
 reported yet still counts). So a prefix hit of ``k`` tokens is worth ``k / load_cost_tokens`` requests of load:
@@ -24,11 +25,15 @@ Ties (costs within ``tie_tokens``) go to the deployment that served the request'
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
+from backends.kv_events import BlockRemoved, BlockStored, follow
 from backends.native.block_hash import block_hashes
 from gateway.routing.engine_load import LoadReader
 from gateway.routing.policy import Choice, Policy, PolicyConfig, RoutedRequest, least_loaded, register
@@ -36,6 +41,8 @@ from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from gateway.deployments import Deployment
+
+log = logging.getLogger(__name__)
 
 SESSIONS = 100_000  # sessions remembered for ties, least recently seen dropped first
 
@@ -54,6 +61,7 @@ class CacheAwareConfig(PolicyConfig):
     tie_tokens: float = Field(16.0, ge=0)
     index_blocks: int = Field(200_000, ge=1)  # blocks remembered per deployment (LRU)
     load_interval_s: float = Field(1.0, gt=0)  # how often the engines' /metrics are read
+    events_timeout_s: float = Field(30.0, gt=0)  # KV events older than this: the index counts as approximate
 
 
 @register
@@ -68,9 +76,39 @@ class CacheAware(Policy):
         self.loads = LoadReader(deployments, config.load_interval_s)
         self._block_size = config.block_size
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> deployment name
+        self.events_at: dict[str, float] = {}  # deployment name -> when its last KV events arrived
 
     def background(self):
-        return [self.loads.run]
+        followed = [d for d in self.deployments if getattr(d.config, "kv_events", None)]
+        return [self.loads.run, *(functools.partial(self._follow, d) for d in followed)]
+
+    async def _follow(self, d: Deployment) -> None:
+        """Keep ``d``'s index precise from its engine's KV events, for as long as the gateway serves."""
+        def apply(events: list) -> None:
+            self.events_at[d.name] = time.monotonic()
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self.index.stored(d.name, event.block_hashes, event.parent_block_hash, event.token_ids,
+                                      event.block_size)
+                elif isinstance(event, BlockRemoved):
+                    self.index.removed(d.name, event.block_hashes)
+                else:
+                    self.index.cleared(d.name)
+
+        def gap(missed: int) -> None:
+            log.warning("KV events of %s: %d batches missed; its index may keep blocks the engine dropped", d.name,
+                        missed)
+
+        await follow(d.config.kv_events, d.config.kv_events_topic, apply, gap)
+
+    def index_precise(self, deployment: Deployment) -> bool:
+        return self.precise(deployment)
+
+    def precise(self, d: Deployment) -> bool:
+        """Whether ``d``'s index follows its engine's KV events (a batch within the last ``events_timeout_s``);
+        else it is kept from this gateway's own decisions alone."""
+        at = self.events_at.get(d.name)
+        return at is not None and time.monotonic() - at < self.config.events_timeout_s
 
     @property
     def block_size(self) -> int:

@@ -73,6 +73,10 @@ class Policy(abc.ABC):
         """KV blocks the policy's index says ``deployment`` holds (None: the policy keeps no index)."""
         return None
 
+    def index_precise(self, deployment: Deployment) -> bool | None:
+        """Whether that index follows ``deployment``'s engine's KV events now (None: no index)."""
+        return None
+
     def background(self) -> list[Callable[[], Any]]:
         """Coroutine functions the gateway runs for as long as it serves (scrapers, event subscribers)."""
         return []

@@ -1,0 +1,143 @@
+"""KV-cache events in vLLM's wire format (vllm/distributed/kv_events.py), so that routers follow what an engine
+holds: the native engine publishes them as vLLM does, and the gateway's cache-aware routing reads vLLM's and ours
+alike (and any reader of vLLM's, such as vllm-router's, reads ours).
+
+On the wire: a ZMQ PUB socket sends multipart messages ``[topic, seq, payload]``: ``seq`` 8 bytes big-endian,
+counting up from 0; ``payload`` msgpack of a ``KVEventBatch`` encoded by position (msgspec ``array_like``):
+``[ts, [event, ...], data_parallel_rank]``, each event a tagged array: ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
+``["AllBlocksCleared"]``. Block hashes are the engine's own names for its blocks (bytes or ints).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events (vLLM's)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def decode_events(payload: bytes) -> list[KVCacheEvent]:
+    """The events of one payload, read by position, as vLLM's or ours; fields a newer vLLM adds after the known
+    ones are ignored, unknown event kinds skipped."""
+    batch = msgspec.msgpack.decode(payload)
+    events: list[KVCacheEvent] = []
+    for raw in batch[1] if isinstance(batch, list) and len(batch) > 1 else []:
+        if not isinstance(raw, list) or not raw:
+            continue
+        tag, fields = raw[0], raw[1:]
+        if tag == "BlockStored" and len(fields) >= 4:
+            events.append(BlockStored(list(fields[0]), fields[1], list(fields[2]), int(fields[3]),
+                                      *(fields[4:6])))
+        elif tag == "BlockRemoved" and fields:
+            events.append(BlockRemoved(list(fields[0]), *(fields[1:2])))
+        elif tag == "AllBlocksCleared":
+            events.append(AllBlocksCleared())
+    return events
+
+
+@dataclass
+class ZmqEventPublisher:
+    """Publishes batches on a ZMQ PUB socket bound to ``endpoint`` (vLLM's default ``tcp://*:5557``) from a thread
+    of its own, so the engine's step never waits for the network."""
+
+    endpoint: str
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        import zmq
+
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.bind(self.endpoint)
+        self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._send_all, name="kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def bound(self) -> str:
+        """The endpoint as bound (a ``*`` port resolved), for readers to connect to."""
+        import zmq
+
+        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def publish(self, batch: KVEventBatch) -> None:
+        self._queue.put(batch)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+
+    def _send_all(self) -> None:
+        seq = 0
+        topic = self.topic.encode()
+        while (batch := self._queue.get()) is not None:
+            self._socket.send_multipart((topic, seq.to_bytes(8, "big"), self._encoder.encode(batch)))
+            seq += 1
+
+
+async def follow(endpoint: str, topic: str, on_events: Callable[[list[KVCacheEvent]], Any],
+                 on_gap: Callable[[int], Any] = lambda missed: None) -> None:
+    """Read the events published at ``endpoint`` (ZMQ SUB, reconnecting by itself) until cancelled, handing each
+    batch's events to ``on_events``; ``on_gap`` hears how many batches were missed when the sequence jumps."""
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt_string(zmq.SUBSCRIBE, topic)
+    socket.connect(endpoint)
+    expected = None
+    try:
+        while True:
+            frames = await socket.recv_multipart()
+            if len(frames) != 3:
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if expected is not None and seq > expected:
+                on_gap(seq - expected)
+            expected = seq + 1
+            try:
+                events = decode_events(frames[2])
+            except msgspec.DecodeError:
+                log.warning("KV events from %s: a payload that is not msgpack", endpoint)
+                continue
+            on_events(events)
+    finally:
+        socket.close(linger=0)
