@@ -88,7 +88,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def _paper_conflicts(ctx: typer.Context, output_len: str) -> list[str]:
     """Options that would change the paper's workload (1000 x 512 tokens, burst, fixed output, ignore_eos)."""
     names = ("requests", "input_len", "schedule", "rate", "burstiness", "concurrency", "sweep_concurrency",
-             "sweep_rate", "duration", "dataset", "prefix_len", "num_prefixes")
+             "sweep_rate", "duration", "dataset", "prefix_len", "num_prefixes", "users")
     bad = [f"--{n.replace('_', '-')}" for n in names if _given(ctx, n) and ctx.params[n] != PAPER.get(n, object())]
     if ":" in output_len:
         bad.append("--output-len LOW:HIGH (the paper's output length is fixed)")
@@ -108,6 +108,13 @@ def _unused(ctx: typer.Context) -> str | None:
         return "--sweep-rate sets the rate of each point: drop --rate"
     if p["sweep_concurrency"] and p["concurrency"] is not None:
         return "--sweep-concurrency sets the concurrency of each point: drop --concurrency"
+    conversational = ("turns", "system_prompt_len", "question_len", "think_time")
+    if p["users"] and (_given(ctx, "requests") or _given(ctx, "input_len") or p["dataset"] or p["prefix_len"]):
+        return "--users sends --users x --turns conversation turns: drop --requests, --input-len, --dataset, --prefix-len"
+    if not p["users"] and any(_given(ctx, n) for n in conversational):
+        return "--turns, --system-prompt-len, --question-len and --think-time shape conversations: add --users"
+    if p["users"] and p["endpoint"] is not Endpoint.chat:
+        return "--users sends multi-turn chat: add --endpoint chat"
     closed_loop = p["concurrency"] or p["sweep_concurrency"]
     if p["duration"] and p["schedule"] is Schedule.burst and not p["sweep_rate"] and not closed_loop:
         return "--duration stops later sends, but a burst sends everything at t=0: add --concurrency or a rate"
@@ -140,6 +147,14 @@ def run(
         "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).")] = None,
     prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Shared prefix tokens (prefix-caching workloads).")] = 0,
     num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Distinct shared prefixes.")] = 1,
+    users: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn chat: this many conversations, each "
+                                       "turn carrying the whole history (needs --endpoint chat).")] = 0,
+    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Questions per conversation.")] = 1,
+    system_prompt_len: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn: tokens of the system "
+                                                   "prompt every conversation shares.")] = 0,
+    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Multi-turn: tokens of each question.")] = 64,
+    think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Multi-turn: seconds between an answer "
+                                              "and the next question.")] = 0.0,
     schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.")] = Schedule.burst,
     rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.")] = None,
     burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).")] = 1.0,
@@ -185,8 +200,10 @@ def run(
                                      "tokens, one burst, fixed output); drop them or drop --preset",
                                      param_hint="--preset")
         requests, input_len, schedule = PAPER["requests"], PAPER["input_len"], PAPER["schedule"]
-    workload = Workload(requests, _length(input_len, "--input-len"), _length(output_len, "--output-len"), dataset,
-                        prefix_len, num_prefixes, paper=preset is Preset.paper)
+    workload = Workload(users * turns if users else requests, _length(input_len, "--input-len"),
+                        _length(output_len, "--output-len"), dataset, prefix_len, num_prefixes,
+                        paper=preset is Preset.paper, users=users, turns=turns, system_prompt_len=system_prompt_len,
+                        question_len=question_len)
     if ignore_eos is None:
         ignore_eos = dataset is None  # as vLLM: forced for random prompts only
     try:
@@ -194,6 +211,7 @@ def run(
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--schedule / --rate / --burstiness") from None
     base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency, duration_s=duration,
+                     think_time_s=think_time,
                      slos_ms=_slos(goodput or []), workers=workers, server_pid=server_pid,
                      request=RequestOptions(endpoint.value, temperature, ignore_eos, timeout))
     session = Session(targets, workload, _sweep_points(base, sweep_concurrency, sweep_rate), warmup, seed)

@@ -83,7 +83,7 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
     if options.ignore_eos:
         body["ignore_eos"] = True
     if chat:
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["messages"] = spec.messages or [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
@@ -119,6 +119,8 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
                 elif usage := event.get("usage"):
                     record.output_tokens = usage.get("completion_tokens") or 0
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+                    if details := usage.get("prompt_tokens_details"):
+                        record.cached_tokens = details.get("cached_tokens")
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         return _fail(record, "timeout", f"{type(exc).__name__} after {clock() - record.actual_send:.1f}s")
     except aiohttp.ClientError as exc:

@@ -56,6 +56,7 @@ class RequestRecord:
     error_kind: str | None = None
     status: int | None = None
     queue_time: float = 0.0  # closed loop: waiting for a free client slot
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
     @property
     def send_lag(self) -> float:
@@ -142,6 +143,7 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         "short_outputs": sum(r.short_output for r in records),
         "prompt_tokens_mismatched": sum(r.prompt_mismatch for r in records),
         "output_tokens_counted_by_tokenizer": sum(r.ok and r.output_tokens_counted == "tokenizer" for r in records),
+        "cached_token_rate": cached_token_rate(good),
     }
     summary.update(stats("ttft", [r.ttft for r in good]))
     summary.update(stats("tpot", [r.tpot for r in good if r.tpot is not None]))
@@ -153,6 +155,32 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
     if slos_ms:
         summary["slos_ms"] = dict(slos_ms)
     return summary
+
+
+def cached_token_rate(records: list[RequestRecord]) -> float | None:
+    """Prompt tokens the server served from its prefix cache / prompt tokens, over the requests whose usage said
+    (``prompt_tokens_details.cached_tokens``); None when none did."""
+    said = [r for r in records if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in said)
+    return sum(r.cached_tokens for r in said) / prompt if said and prompt else None
+
+
+# The server's own prefix-cache counters (tokens looked up, tokens found): vLLM's, then burstgate's.
+PREFIX_CACHE_COUNTERS = (("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+                         ("burstgate:prefix_cache_queries_total", "burstgate:prefix_cache_hits_total"))
+
+
+def server_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The server's prefix-cache hit rate over a run, from its /metrics scraped before and after (every series of
+    the counters summed, so a gateway in front of several engines counts them all); None without them."""
+    def total(samples: dict[str, float], name: str) -> float:
+        return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+    for queries, hits in PREFIX_CACHE_COUNTERS:
+        looked_up = total(after, queries) - total(before, queries)
+        if looked_up > 0:
+            return (total(after, hits) - total(before, hits)) / looked_up
+    return None
 
 
 def meets_slos(r: RequestRecord, slos_ms: dict[str, float]) -> bool:

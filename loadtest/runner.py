@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from loadtest.client import RequestOptions, Target, new_client, send
-from loadtest.metrics import RequestRecord, count_missing_output_tokens, summarize
+from loadtest.metrics import RequestRecord, count_missing_output_tokens, server_hit_rate, summarize
 from loadtest.schedule import Schedule, arrival_offsets, offered_rate, used_burstiness
 from loadtest.sysmon import Sampler, client_hardware, find_server_process, scrape_metrics
 from loadtest.workload import RequestSpec
@@ -36,6 +36,7 @@ class RunConfig:
     burstiness: float = 1.0
     concurrency: int | None = None  # closed loop: at most this many in flight
     duration_s: float | None = None  # stop sending after this long
+    think_time_s: float = 0.0  # multi-turn conversations: between an answer and the next question
     seed: int = 0
     slos_ms: dict[str, float] = field(default_factory=dict)
     workers: int = 1
@@ -77,6 +78,9 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         try:
             if cfg.workers > 1:
                 t0, records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, cfg, on_done)
+            elif any(s.conversation is not None for s in specs):
+                t0 = time.perf_counter() + START_LEAD_S
+                records = await _converse(client, target, specs, offsets, t0, cfg, on_done)
             else:
                 t0 = time.perf_counter() + START_LEAD_S
                 records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
@@ -92,7 +96,8 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
                    request_rate="inf" if cfg.schedule is Schedule.burst else cfg.rate,
                    burstiness=used_burstiness(cfg.schedule, cfg.burstiness),
                    offered_request_rate=offered_rate(offsets), max_concurrency=cfg.concurrency,
-                   schedule=cfg.schedule.value, warmup_requests=len(warmup))
+                   schedule=cfg.schedule.value, warmup_requests=len(warmup),
+                   server_prefix_cache_hit_rate=server_hit_rate(before, after))
     return TargetResult(target, cfg, records, summary, samples, before, after, client_hardware(), _warnings(summary))
 
 
@@ -141,6 +146,42 @@ def _server_process(target: Target, cfg: RunConfig):
         return find_server_process(cfg.server_pid, port)
     except Exception:  # no permission to list sockets, or the process vanished: sample without it
         return None
+
+
+async def _converse(client: aiohttp.ClientSession, target: Target, specs: list[RequestSpec], offsets: list[float],
+                    t0: float, cfg: RunConfig, on_done=None) -> list[RequestRecord]:
+    """Multi-turn conversations: each starts at its arrival (the schedule's offsets, one per conversation) and sends
+    its turns one after another, each once the previous one was answered and ``cfg.think_time_s`` has passed, with
+    the system prompt, every earlier question and answer, and the new question; a failed turn ends its
+    conversation (its later turns are not sent)."""
+    turns: dict[int, list[int]] = {}
+    for i, spec in enumerate(specs):
+        turns.setdefault(spec.conversation, []).append(i)
+    records: list[RequestRecord | None] = [None] * len(specs)
+
+    async def talk(k: int, indices: list[int]) -> None:
+        await _sleep_until(t0 + offsets[k])
+        first = specs[indices[0]]
+        history = [{"role": "system", "content": first.system}] if first.system else []
+        for i in indices:
+            messages = [*history, {"role": "user", "content": specs[i].prompt}]
+            record = records[i] = RequestRecord(i, time.perf_counter())
+            await send(client, target, replace(specs[i], messages=messages), record, cfg.request)
+            if on_done is not None:
+                on_done(record)
+            if not record.ok:
+                return
+            history = [*messages, {"role": "assistant", "content": record.generated_text}]
+            await asyncio.sleep(cfg.think_time_s)
+
+    await asyncio.gather(*(talk(k, indices) for k, indices in enumerate(turns.values())))
+    return [r for r in records if r is not None]
+
+
+async def _sleep_until(when: float) -> None:
+    delay = when - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 async def _send_all(client: aiohttp.ClientSession, target: Target, specs: list[RequestSpec], offsets: list[float],

@@ -28,6 +28,7 @@ from loadtest.workload import (
     PromptCounter,
     RequestSpec,
     ServerCounter,
+    conversations,
     fit,
     from_file,
     load_tokenizer,
@@ -50,8 +51,20 @@ class Workload:
     prefix_len: int = 0
     num_prefixes: int = 1
     paper: bool = False  # arXiv 2311.03687: 1000 x 512 tokens, burst, fixed output
+    users: int = 0  # multi-turn conversations (workload.conversations): this many, of ``turns`` questions each
+    turns: int = 1
+    system_prompt_len: int = 0
+    question_len: int = 0
+
+    @property
+    def conversational(self) -> bool:
+        return self.users > 0
 
     def build(self, tokenizer, seed: int) -> list[RequestSpec]:
+        if self.conversational:
+            output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
+            return conversations(tokenizer, self.users, self.turns, self.system_prompt_len, self.question_len,
+                                 output, seed)
         if self.paper:
             return paper_preset(tokenizer, self.output_len, self.requests, seed)
         if self.dataset is not None:
@@ -64,12 +77,18 @@ class Workload:
         """``n`` other prompts of the measured shape (for a dataset: its median lengths)."""
         if n == 0:
             return []
+        if self.conversational:
+            return synthetic(tokenizer, n, max(1, self.system_prompt_len + self.question_len),
+                             measured[0].max_tokens, seed)
         if self.dataset is None:
             return synthetic(tokenizer, n, self.input_len, self.output_len, seed)
         length = max(1, int(statistics.median(s.prompt_tokens for s in measured)))
         return synthetic(tokenizer, n, length, int(statistics.median(s.max_tokens for s in measured)), seed)
 
     def describe(self) -> str:
+        if self.conversational:
+            return (f"multi-turn users={self.users} turns={self.turns} system={self.system_prompt_len} "
+                    f"question={self.question_len} out={_text(self.output_len)}")
         if self.paper:
             return f"paper preset n={self.requests} in=512 out={_text(self.output_len)}"
         if self.dataset is not None:
@@ -101,8 +120,9 @@ async def run_session(session: Session, progress: Progress | None = None,
             counter = await prompt_counter(http, target, endpoint == "chat", tokenizer)
             for j, cfg in enumerate(session.points):
                 seed = prompt_seed(base_seed, i, j)
-                specs = await fit(session.workload.build(tokenizer, seed), counter,
-                                  exact=session.workload.dataset is None)
+                specs = session.workload.build(tokenizer, seed)
+                if not session.workload.conversational:  # a turn's length is its history's: the server counts it
+                    specs = await fit(specs, counter, exact=session.workload.dataset is None)
                 warm = session.workload.warmup(tokenizer, prompt_seed(base_seed, i, j, 1), session.warmup, specs)
                 cfg = replace(cfg, seed=seed)
                 on_done = progress(f"{target.label}{point_desc(cfg)}", len(specs)) if progress else None

@@ -31,6 +31,11 @@ class RequestSpec:
     prompt: str
     prompt_tokens: int  # as counted by the workload's tokenizer (0 if unknown)
     max_tokens: int
+    # a turn of a multi-turn conversation (``conversations``): sent after the conversation's previous turn was
+    # answered, with the system prompt and the whole history before ``prompt`` (the runner builds the messages)
+    conversation: int | None = None
+    system: str | None = None
+    messages: list[dict] | None = None  # the chat messages to send, where built
 
 
 def load_tokenizer(name_or_path: str | Path | None) -> TokenizerLike:
@@ -121,6 +126,20 @@ def _draw(value: int | tuple[int, int], rng: random.Random) -> int:
 def paper_preset(tokenizer: TokenizerLike, output_len: int = 128, n: int = 1000, seed: int = 0) -> list[RequestSpec]:
     """arXiv 2311.03687's burst: 1000 prompts × 512 tokens, fixed max output, sent at t=0."""
     return synthetic(tokenizer, n, 512, output_len, seed)
+
+
+def conversations(tokenizer: TokenizerLike, users: int, turns: int, system_len: int, question_len: int,
+                  output_len: int, seed: int = 0) -> list[RequestSpec]:
+    """Multi-turn chat sessions (the shape of vLLM production-stack's multi-round QA): ``users`` conversations of
+    ``turns`` questions of ``question_len`` tokens each, all after one shared system prompt of ``system_len``
+    tokens; every turn carries the whole conversation so far, the model's answers included, so a server that
+    keeps the history's KV cache prefills only the new question."""
+    rng = random.Random(seed)
+    vocab = _plain_vocab(tokenizer)
+    system = exact_length_prompt(tokenizer, system_len, rng, vocab) if system_len else ""
+    return [RequestSpec(exact_length_prompt(tokenizer, question_len, rng, vocab), question_len, output_len,
+                        conversation=user, system=system)
+            for user in range(users) for _ in range(turns)]
 
 
 # ------------------------------------------------------------------------ lengths as the target counts
