@@ -63,7 +63,7 @@ def test_conversations_stay_with_their_history_and_hit_the_engines_prefix_caches
 
 
 def test_the_index_forgets_what_an_engine_clears(fleet):
-    url, gateway = fleet
+    _, gateway = fleet
     group = gateway.groups["m"]
     replica = group.deployments[0]
     engine = replica.backend.engine
