@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev redis lint peers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev redis lint peers peers-routers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -84,7 +84,12 @@ LLAMACPP_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=$(call has_flag,avx2) -DGGML_FMA
 	cmake --build .peers/llamacpp/build --target llama-server --parallel $(shell nproc)
 	touch $@
 
+.peers/routers/bin/python:
+	python3 -m venv .peers/routers
+	.peers/routers/bin/pip install -q sglang-router vllm-router
+
 peers: .peers/vllm/bin/python
+peers-routers: .peers/routers/bin/python
 peers-litellm: .peers/litellm/bin/litellm
 peers-guidellm: .peers/guidellm/bin/guidellm
 peers-llamacpp: .peers/llamacpp/.installed

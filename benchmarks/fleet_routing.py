@@ -1,0 +1,191 @@
+"""Routing across a fleet of native engine replicas, every router in front of the same replicas, in one run.
+
+Replicas: ``--replicas`` native engines, each ``burstgate serve`` of the embedded SmolLM2 in a process of its own
+with one CPU thread, pinned round-robin to the machine's cores (4 on 2 cores: two per core), publishing their KV
+events; each replica's own /metrics gives its prefix-cache hit counters and request count.
+Routers: a burstgate gateway per policy (round_robin, least_outstanding, prefix_affinity, cache_aware kept from
+its own decisions, cache_aware following the replicas' KV events), and where installed (``make peers-routers``)
+SGLang's router (``--policy cache_aware``) and vLLM's router (``--policy cache_aware``) in front of the same
+replicas.
+Workloads (burstgate's load tester, one client for all): multi-turn chat (users x turns, each turn carrying the
+whole history), shared-prefix (groups of prompts behind a few long shared prefixes) and random prompts.
+Each (workload, router) gets fresh prompts (its own seed): no cache carries over between runs. Rounds interleave
+the routers, their order alternating. Reported per run: output tok/s, TTFT p50/p99, the replicas' prefix-cache
+hit rate over the run (their own counters), requests per replica; medians over rounds.
+
+    python benchmarks/fleet_routing.py --rounds 2 --save benchmarks/results/fleet_routing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import PEERS, burstgate, free_port, loadtest, run_record, serving
+
+from loadtest.metrics import server_hit_rate
+
+MODEL = "smollm2"
+ROUTERS_PYTHON = PEERS / "routers" / "bin" / "python"
+WORKLOADS = {
+    "multi-turn": ["--endpoint", "chat", "--users", "16", "--turns", "4", "--system-prompt-len", "192",
+                   "--question-len", "48", "--output-len", "16"],
+    "shared-prefix": ["--requests", "64", "--input-len", "448", "--prefix-len", "384", "--num-prefixes", "4",
+                      "--output-len", "16"],
+    "random": ["--requests", "64", "--input-len", "256", "--output-len", "16"],
+}
+POLICIES = {"round_robin": "round_robin", "least_outstanding": "least_outstanding",
+            "prefix_affinity": "prefix_affinity", "cache_aware": "cache_aware", "cache_aware_precise": "cache_aware"}
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
+
+
+def start_replica(stack: contextlib.ExitStack, index: int, logs: Path) -> tuple[str, str]:
+    """One native engine replica: its URL and the endpoint of its KV events."""
+    port, events = free_port(), free_port()
+    deployment = {"kind": "native", "dtype": "float32", "num_threads": 1, "max_num_seqs": 32,
+                  "max_num_batched_tokens": 512, "kv_cache_gb": 0.5, "block_size": 16, "max_concurrency": 512,
+                  "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}"}}
+    config = Path(tempfile.mkdtemp()) / "replica.json"
+    config.write_text(json.dumps({"models": [{"name": MODEL, "deployments": [deployment]}]}))
+    core = str(index % os.cpu_count())
+    cmd = ["taskset", "-c", core, *burstgate("serve", "--port", str(port), "--config", str(config),
+                                             "--log-level", "warning")]
+    url = stack.enter_context(serving(cmd, port, log=logs / f"replica-{index}.log"))
+    return url, f"tcp://127.0.0.1:{events}"
+
+
+def gateway_command(policy: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+    precise = policy == "cache_aware_precise"
+    deployments = [{"kind": "openai", "name": f"replica-{i}", "url": f"{url}/v1", "upstream_model": MODEL,
+                    "max_concurrency": 512, "max_queue": 4096, **({"kv_events": events} if precise else {})}
+                   for i, (url, events) in enumerate(replicas)]
+    routing = {"policy": POLICIES[policy]}
+    if routing["policy"] == "cache_aware":  # the replicas' tokenizer, read here: no /tokenize call per request
+        from backends.native.weights import default_model_path
+
+        routing.update(block_size=16, tokenizer=str(default_model_path()))
+    config = Path(tempfile.mkdtemp()) / "gateway.json"
+    config.write_text(json.dumps({"models": [{"name": MODEL, "routing": routing, "deployments": deployments}]}))
+    return burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
+
+
+def router_command(kind: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+    urls = [url for url, _ in replicas]
+    if kind == "sglang-router":
+        return [str(ROUTERS_PYTHON), "-m", "sglang_router.launch_router", "--backend", "openai", "--policy",
+                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+    return [str(ROUTERS_PYTHON.parent / "vllm-router"), "--policy", "cache_aware", "--host", "127.0.0.1", "--port",
+            str(port), "--worker-urls", *urls]
+
+
+def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]:
+    """The replicas' metrics samples summed by name{labels}, and each replica's finished requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total: dict[str, float] = {}
+    requests = []
+    for url, _ in replicas:
+        count = 0.0
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for s in family.samples:
+                key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+                total[key] = total.get(key, 0.0) + s.value
+                if s.name == "burstgate:requests_total":
+                    count += s.value
+        requests.append(count)
+    return total, requests
+
+
+def measure(target_url: str, workload: str, seed: int, replicas, logs: Path, name: str) -> dict:
+    before, requests_before = replica_figures(replicas)
+    out = Path(tempfile.mkdtemp())
+    result = loadtest(f"{target_url}#{MODEL}", out, *WORKLOADS[workload], "--temperature", "0", "--warmup", "0",
+                      "--seed", str(seed), log=logs / f"{name}-{workload}-{seed}.log")
+    after, requests_after = replica_figures(replicas)
+    row = {k: result.get(k) for k in METRICS}
+    row["replica_hit_rate"] = server_hit_rate(before, after)
+    row["requests_per_replica"] = [a - b for a, b in zip(requests_after, requests_before, strict=True)]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
+    ap.add_argument("--policy", action="append", choices=sorted(POLICIES), help="gateway policies (default: all)")
+    ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+    workloads, policies = args.workload or list(WORKLOADS), args.policy or list(POLICIES)
+    peers = [] if args.no_peers or not ROUTERS_PYTHON.exists() else ["sglang-router", "vllm-router"]
+    logs = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        replicas = [start_replica(stack, i, logs) for i in range(args.replicas)]
+        targets = {}
+        for policy in policies:
+            port = free_port()
+            targets[policy] = stack.enter_context(serving(gateway_command(policy, replicas, port), port,
+                                                          log=logs / f"gateway-{policy}.log"))
+        for peer in peers:
+            port = free_port()
+            try:
+                targets[peer] = stack.enter_context(serving(router_command(peer, replicas, port), port,
+                                                            log=logs / f"{peer}.log", timeout_s=60))
+            except (RuntimeError, TimeoutError) as exc:  # recorded: the table says why the row is missing
+                runs.append({"target": peer, "error": f"{exc} (log: {logs / peer}.log)"})
+        for r in range(args.rounds):
+            for workload in workloads:
+                order = list(targets) if r % 2 == 0 else list(reversed(targets))
+                for t, name in enumerate(order):
+                    seed = 1000 * r + 10 * t + workloads.index(workload)
+                    started = time.perf_counter()
+                    row = measure(targets[name], workload, seed, replicas, logs, name)
+                    runs.append({"round": r, "workload": workload, "target": name, "seed": seed,
+                                 "seconds": time.perf_counter() - started, **row})
+                    print(f"round {r} {workload:14s} {name:20s} {row['output_throughput']:7.1f} tok/s  TTFT p50 "
+                          f"{row['median_ttft_ms']:7.0f} ms  hit rate {row['replica_hit_rate'] or 0:.2f}  "
+                          f"per replica {row['requests_per_replica']}", flush=True)
+    table = summarize(runs)
+    for line in table:
+        print(line)
+    if args.save:
+        args.save.write_text(json.dumps({**run_record(), "replicas": args.replicas, "workloads": WORKLOADS,
+                                         "runs": runs, "table": table}, indent=2))
+
+
+def summarize(runs: list[dict]) -> list[str]:
+    """Medians over rounds per workload and target, with ratios to round robin."""
+    lines = []
+    measured = [r for r in runs if "workload" in r]
+    for workload in dict.fromkeys(r["workload"] for r in measured):
+        rows = {}
+        for r in measured:
+            if r["workload"] == workload:
+                rows.setdefault(r["target"], []).append(r)
+        base = statistics.median(r["output_throughput"] for r in rows.get("round_robin", [])) if "round_robin" in \
+            rows else None
+        lines.append(f"{workload}: target, output tok/s (x round robin), TTFT p50 / p99 ms, replica hit rate")
+        for target, rs in rows.items():
+            tput = statistics.median(r["output_throughput"] for r in rs)
+            hit = [r["replica_hit_rate"] for r in rs if r["replica_hit_rate"] is not None]
+            lines.append(f"  {target:20s} {tput:7.1f} ({tput / base if base else float('nan'):.2f}x)  "
+                         f"{statistics.median(r['median_ttft_ms'] for r in rs):6.0f} / "
+                         f"{statistics.median(r['p99_ttft_ms'] for r in rs):6.0f}  "
+                         f"{statistics.median(hit) if hit else float('nan'):.2f}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
