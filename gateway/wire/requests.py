@@ -19,13 +19,26 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: "values between -100 and 100"; vLLM clamps to it
 
 
+# Extensions the field's routers send on every request at their neutral values (SGLang's router and vLLM's:
+# ``no_stop_trim: false``, ``return_hidden_states: false`` ...): at those values they ask for nothing, so they are
+# honoured by doing nothing; at any other value they stay unknown fields (passed on to a server that takes them,
+# refused with a 400 naming them elsewhere). SGLang's reasoning fields ask for nothing from a model without a
+# reasoning parser, whatever their value.
+NEUTRAL_EXTENSIONS: dict[str, tuple[Any, ...]] = {
+    "no_stop_trim": (False,), "include_stop_str_in_output": (False,), "return_hidden_states": (False,),
+    "continue_final_message": (False,), "separate_reasoning": (True, False), "stream_reasoning": (True, False),
+    "include_reasoning": (True, False)}
+
+
 class _Request(BaseModel):
     """A request body: fields the gateway does not know are kept (``model_extra``), never ignored."""
 
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+        """The fields this gateway does not interpret, less the neutral extensions (``NEUTRAL_EXTENSIONS``)."""
+        return {k: v for k, v in (self.model_extra or {}).items()
+                if not (k in NEUTRAL_EXTENSIONS and any(v is n for n in NEUTRAL_EXTENSIONS[k]))}
 
 
 class StreamOptions(BaseModel):
