@@ -169,7 +169,7 @@ def test_shipped_example_config_is_valid(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "sk-vllm")  # its vLLM deployment reads the key from the environment
     s = load_settings(Path(__file__).resolve().parents[2] / "deploy" / "config" / "gateway.example.yaml")
     assert [[d.kind for d in m.deployments] for m in s.models] == [["native", "openai"], ["tgi"], ["deepspeed", "mii"]]
-    assert s.models[0].routing == "prefix_affinity" and s.models[0].fallbacks == ["smollm2-tgi"]
+    assert s.models[0].routing.policy == "prefix_affinity" and s.models[0].fallbacks == ["smollm2-tgi"]
     assert s.api_keys == [] and s.limits.redis_url  # keys come from BURSTGATE_API_KEYS (tests/deploy)
 
 
