@@ -7,8 +7,9 @@ Routers: a burstgate gateway per policy (round_robin, least_outstanding, prefix_
 its own decisions, cache_aware following the replicas' KV events), and where installed (``make peers-routers``)
 SGLang's router (``--policy cache_aware``) and vLLM's router (``--policy cache_aware``) in front of the same
 replicas.
-Workloads (burstgate's load tester, one client for all): multi-turn chat (users x turns, each turn carrying the
-whole history), shared-prefix (groups of prompts behind a few long shared prefixes) and random prompts.
+Workloads (burstgate's load tester, one client for all, chat completions: SGLang's router serves no other route in
+its OpenAI mode): multi-turn (users x turns, each turn carrying the whole history), shared-prefix (groups of
+prompts behind a few long shared prefixes) and random prompts.
 Each (workload, router) gets fresh prompts (its own seed): no cache carries over between runs. Rounds interleave
 the routers, their order alternating. Reported per run: output tok/s, TTFT p50/p99, the replicas' prefix-cache
 hit rate over the run (their own counters), requests per replica; medians over rounds.
@@ -40,9 +41,9 @@ ROUTERS_PYTHON = PEERS / "routers" / "bin" / "python"
 WORKLOADS = {
     "multi-turn": ["--endpoint", "chat", "--users", "16", "--turns", "4", "--system-prompt-len", "192",
                    "--question-len", "48", "--output-len", "16"],
-    "shared-prefix": ["--requests", "64", "--input-len", "448", "--prefix-len", "384", "--num-prefixes", "4",
-                      "--output-len", "16"],
-    "random": ["--requests", "64", "--input-len", "256", "--output-len", "16"],
+    "shared-prefix": ["--endpoint", "chat", "--requests", "64", "--input-len", "448", "--prefix-len", "384",
+                      "--num-prefixes", "4", "--output-len", "16"],
+    "random": ["--endpoint", "chat", "--requests", "64", "--input-len", "256", "--output-len", "16"],
 }
 POLICIES = {"round_robin": "round_robin", "least_outstanding": "least_outstanding",
             "prefix_affinity": "prefix_affinity", "cache_aware": "cache_aware", "cache_aware_precise": "cache_aware"}
@@ -83,9 +84,10 @@ def router_command(kind: str, replicas: list[tuple[str, str]], port: int) -> lis
     urls = [url for url, _ in replicas]
     if kind == "sglang-router":
         return [str(ROUTERS_PYTHON), "-m", "sglang_router.launch_router", "--backend", "openai", "--policy",
-                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+                "--worker-urls", *urls]
     return [str(ROUTERS_PYTHON.parent / "vllm-router"), "--policy", "cache_aware", "--host", "127.0.0.1", "--port",
-            str(port), "--worker-urls", *urls]
+            str(port), "--prometheus-port", str(free_port()), "--worker-urls", *urls]
 
 
 def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]:

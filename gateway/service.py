@@ -90,6 +90,8 @@ class Gateway:
             await backend.start()
         await self.health.check_once()
         self.health.start()
+        for group in self.groups.values():
+            await group.prepare()
         self._background = [asyncio.create_task(job(), name=f"routing {g.name}")
                             for g in self.groups.values() for job in g.policy.background()]
         for group in self.groups.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,15 @@ class ModelGroup:
         if len(candidates) == 1 or request is None:
             return min(candidates, key=lambda d: d.outstanding / d.weight)
         return self.policy.choose(candidates, RoutedRequest(request, session=request.user)).deployment
+
+    async def prepare(self) -> None:
+        """Load what routing needs before the first request: the policy's tokenizer (seconds from a GGUF), in a
+        worker thread."""
+        path = getattr(self.policy.config, "tokenizer", None)
+        if path is not None and self._tokenizer is None:
+            from backends.tokenizer import Tokenizer
+
+            self._tokenizer = await asyncio.to_thread(Tokenizer, Path(path))
 
     async def tokens(self, request: GenerationRequest, candidates: list[Deployment]) -> tuple[list[int], str]:
         """The request's token ids as the engines will see them, and who counted them: the request itself, the
