@@ -45,8 +45,9 @@ WORKLOADS = {
                       "--num-prefixes", "4", "--output-len", "16"],
     "random": ["--endpoint", "chat", "--requests", "64", "--input-len", "256", "--output-len", "16"],
 }
-POLICIES = {"round_robin": "round_robin", "least_outstanding": "least_outstanding",
-            "prefix_affinity": "prefix_affinity", "cache_aware": "cache_aware", "cache_aware_precise": "cache_aware"}
+# gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
+POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware", "cache_aware@64",
+            "cache_aware_precise@64"]
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 
 
@@ -65,16 +66,18 @@ def start_replica(stack: contextlib.ExitStack, index: int, logs: Path) -> tuple[
     return url, f"tcp://127.0.0.1:{events}"
 
 
-def gateway_command(policy: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+def gateway_command(target: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+    policy, _, cost = target.partition("@")
     precise = policy == "cache_aware_precise"
     deployments = [{"kind": "openai", "name": f"replica-{i}", "url": f"{url}/v1", "upstream_model": MODEL,
                     "max_concurrency": 512, "max_queue": 4096, **({"kv_events": events} if precise else {})}
                    for i, (url, events) in enumerate(replicas)]
-    routing = {"policy": POLICIES[policy]}
+    routing = {"policy": policy.removesuffix("_precise")}
     if routing["policy"] == "cache_aware":  # the replicas' tokenizer, read here: no /tokenize call per request
         from backends.native.weights import default_model_path
 
-        routing.update(block_size=16, tokenizer=str(default_model_path()))
+        routing.update(block_size=16, tokenizer=str(default_model_path()), **({"load_cost_tokens": float(cost)}
+                                                                               if cost else {}))
     config = Path(tempfile.mkdtemp()) / "gateway.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "routing": routing, "deployments": deployments}]}))
     return burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
@@ -125,11 +128,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
-    ap.add_argument("--policy", action="append", choices=sorted(POLICIES), help="gateway policies (default: all)")
+    ap.add_argument("--policy", action="append", choices=POLICIES, help="gateway targets (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
-    workloads, policies = args.workload or list(WORKLOADS), args.policy or list(POLICIES)
+    workloads, policies = args.workload or list(WORKLOADS), args.policy or POLICIES
     peers = [] if args.no_peers or not ROUTERS_PYTHON.exists() else ["sglang-router", "vllm-router"]
     logs = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
     runs: list[dict] = []

@@ -174,11 +174,16 @@ class Gateway:
                 attempt += 1
                 tried.append(deployment)
                 started = False
+                answer: list[str] = []  # the first choice's text, for the routing policy once it is done
                 try:
                     async with contextlib.aclosing(self._attempt(g, deployment, request, caller)) as chunks:
                         async for chunk in chunks:
                             started = True
+                            if chunk.index == 0 and chunk.text:
+                                answer.append(chunk.text)
                             yield chunk
+                    if g.policy.needs_tokens:
+                        await g.finished(choice, "".join(answer))
                     return
                 except BackendError as exc:
                     if started or exc.kind not in RETRYABLE:

@@ -116,6 +116,8 @@ def synthetic(tokenizer: TokenizerLike, n: int, input_len: int | tuple[int, int]
         if len(tokenizer.encode(text, add_special_tokens=False)) != total:
             text = exact_length_prompt(tokenizer, total, rng, vocab, start=text)
         specs.append(RequestSpec(text, total, _draw(output_len, rng)))
+    if prefix_len and num_prefixes > 1:
+        rng.shuffle(specs)  # groups of equal size, in random order (SGLang's generated-shared-prefix), not cycling
     return specs
 
 

@@ -102,12 +102,9 @@ class CacheAware(Policy):
         await follow(d.config.kv_events, d.config.kv_events_topic, apply, gap)
 
     def index_precise(self, deployment: Deployment) -> bool:
-        return self.precise(deployment)
-
-    def precise(self, d: Deployment) -> bool:
-        """Whether ``d``'s index follows its engine's KV events (a batch within the last ``events_timeout_s``);
-        else it is kept from this gateway's own decisions alone."""
-        at = self.events_at.get(d.name)
+        """Whether the deployment's index follows its engine's KV events (a batch within the last
+        ``events_timeout_s``); else it is kept from this gateway's own decisions alone."""
+        at = self.events_at.get(deployment.name)
         return at is not None and time.monotonic() - at < self.config.events_timeout_s
 
     @property
@@ -116,6 +113,9 @@ class CacheAware(Policy):
         if self._block_size is None:
             self._block_size = _engine_block_size(self.deployments)
         return self._block_size or 16
+
+    def finished(self, deployment: Deployment, request: RoutedRequest, tokens: list[int]) -> None:
+        self.index.record(deployment.name, block_hashes(tokens, self.block_size))  # the answer's blocks too
 
     def index_blocks(self, deployment: Deployment) -> int:
         return self.index.size(deployment.name)
@@ -166,7 +166,6 @@ class CacheAware(Policy):
 def _engine_block_size(deployments: list[Deployment]) -> int | None:
     """The KV block size of an in-process native engine among ``deployments`` (once started), if any."""
     for d in deployments:
-        engine = getattr(d.backend, "_engine", None)
-        if engine is not None:
-            return engine.blocks.block_size
+        if d.backend.stats() is not None:  # in process, and started
+            return d.backend.engine.blocks.block_size
     return None

@@ -50,7 +50,26 @@ class ModelGroup:
             routed.tokens, routed.tokens_source = await self.tokens(request, candidates)
         choice = self.policy.choose(candidates, routed) if len(candidates) > 1 else Choice(candidates[0], "only")
         self.policy.dispatched(choice.deployment, routed)
-        return choice
+        return Choice(choice.deployment, choice.reason, routed)
+
+    async def finished(self, choice: Choice, answer: str) -> None:
+        """The request of ``choice`` was answered with ``answer`` (its first choice's text): the policy hears of
+        the tokens its deployment holds now, the prompt's and the answer's (counted as the prompt was)."""
+        routed = choice.routed
+        if routed is None or routed.tokens is None or not answer:
+            return
+        if routed.tokens_source == "tokenizer" and self._tokenizer is not None:
+            more = self._tokenizer.encode(answer, add_special_tokens=False)
+        elif routed.tokens_source in ("engine", "server"):
+            try:
+                more = await choice.deployment.backend.tokenize(answer, None, False, None)
+            except Exception:  # its tokenizer went away: the prompt's blocks were recorded already
+                return
+        elif routed.tokens_source == "characters":
+            more = [ord(c) for c in answer]
+        else:  # token ids in the request, and no tokenizer for the answer
+            return
+        self.policy.finished(choice.deployment, routed, [*routed.tokens, *more])
 
     def choose(self, request: GenerationRequest | None = None, exclude: Collection[Deployment] = ()) -> Deployment:
         """A deployment for work that needs any (tokenizing): the policy's choice without token ids."""

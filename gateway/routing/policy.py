@@ -45,10 +45,12 @@ class RoutedRequest:
 
 @dataclass(frozen=True)
 class Choice:
-    """The deployment a policy chose and why (a label of burstgate:routing_decisions_total)."""
+    """The deployment a policy chose and why (a label of burstgate:routing_decisions_total), with the request as
+    the policy saw it (for ``ModelGroup.finished``)."""
 
     deployment: Deployment
     reason: str
+    routed: RoutedRequest | None = None
 
 
 class Policy(abc.ABC):
@@ -68,6 +70,10 @@ class Policy(abc.ABC):
 
     def dispatched(self, deployment: Deployment, request: RoutedRequest) -> None:  # noqa: B027 (a hook)
         """``deployment`` took ``request`` (called for every dispatch, also when no choice was needed)."""
+
+    def finished(self, deployment: Deployment, request: RoutedRequest, tokens: list[int]) -> None:  # noqa: B027
+        """``deployment`` answered ``request``: ``tokens`` are its prompt's and its answer's, as the engine holds
+        them now (what a next turn of the conversation begins with)."""
 
     def index_blocks(self, deployment: Deployment) -> int | None:
         """KV blocks the policy's index says ``deployment`` holds (None: the policy keeps no index)."""
