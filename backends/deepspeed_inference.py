@@ -90,8 +90,7 @@ class DeepSpeedInferenceBackend(Backend):
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype, local_files_only=True)
         rope = {name: buf.detach().clone() for name, buf in model.named_buffers() if "inv_freq" in name}
-        engine = deepspeed.init_inference(model, dtype=self.dtype,
-                                          replace_with_kernel_inject=torch.cuda.is_available())
+        engine = deepspeed.init_inference(model, dtype=self.dtype, replace_with_kernel_inject=_kernel_inject(model))
         self.model = engine.module.eval()
         # init_inference casts every buffer to dtype; RoPE frequencies in bf16 change the outputs.
         for name, original in rope.items():
@@ -216,6 +215,8 @@ class DeepSpeedInferenceBackend(Backend):
         for i, j in enumerate(batch):  # left padding: every row's last token is at the same position
             ids[i, longest - j.seq.num_prompt:] = torch.tensor(j.seq.prompt_ids)
             mask[i, longest - j.seq.num_prompt:] = 1
+        device = next(self.model.parameters()).device  # where init_inference put the model
+        ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         live = list(range(len(batch)))
@@ -223,7 +224,7 @@ class DeepSpeedInferenceBackend(Backend):
             logits = out.logits[:, -1].float()
             rows = [i for i in live if not batch[i].cancelled.is_set()]
             picks = dict(zip(rows, sample(logits[rows], [batch[i].seq for i in rows], self.eos_token_ids))) if rows else {}
-            next_ids = torch.full((len(batch), 1), pad, dtype=torch.int64)
+            next_ids = torch.full((len(batch), 1), pad, dtype=torch.int64, device=device)
             live = []
             for i, sampled in picks.items():
                 if self._append(batch[i], sampled) is None:
@@ -231,7 +232,7 @@ class DeepSpeedInferenceBackend(Backend):
                     next_ids[i, 0] = sampled.token_id
             if not live:
                 return
-            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.int64)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.int64, device=device)], dim=1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
                              past_key_values=out.past_key_values, use_cache=True)
@@ -255,3 +256,15 @@ def _dummy_model(path: Path, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def _kernel_inject(model) -> bool:
+    """DeepSpeed's fused inference kernels, on CUDA only, and only for models whose attention is not grouped:
+    its injected Llama layer merges q, k and v as equal thirds (DeepSpeed 0.19.8 asserts "Merging tensors is not
+    allowed here" on a GQA model), so a GQA model runs as transformers' layers under DeepSpeed-Inference."""
+    cfg = model.config
+    grouped = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) != cfg.num_attention_heads
+    if grouped and torch.cuda.is_available():
+        log.info("DeepSpeed-Inference without kernel injection: %d KV heads for %d query heads (GQA)",
+                 cfg.num_key_value_heads, cfg.num_attention_heads)
+    return torch.cuda.is_available() and not grouped

@@ -4,7 +4,9 @@ MII (deepspeedai/DeepSpeed-MII, mii/grpc_related/restful_gateway.py): ``POST /mi
 with ``client.generate``'s keyword arguments (``prompts``, ``max_new_tokens``, ``do_sample``,
 ``top_p``, ``top_k``, ``temperature``, ``ignore_eos``, ``min_new_tokens``, ``stop``; see
 mii/config.py ``GenerateParamsConfig``, whose defaults are do_sample=True and top_p=0.9, so both are
-always sent), answered by a list of ``{generated_text, prompt_length, generated_length,
+always sent). The gateway packs each keyword into a gRPC ``Value`` of a scalar or a dict
+(mii/utils.py ``kwarg_dict_to_proto``): a list is a 500, so ``stop`` travels as its one string (MII's
+config makes it a list) and more than one stop string is refused, answered by a list of ``{generated_text, prompt_length, generated_length,
 finish_reason}`` (mii/batching/data_classes.py). No streaming: the answer is one chunk. Any failure
 is Flask's 500. ``GET /healthz`` answers "ok". MII's OpenAI server is reached with the ``openai`` kind.
 """
@@ -17,6 +19,7 @@ from typing import Any
 from backends.base import (
     GenerationChunk,
     GenerationRequest,
+    InvalidRequestError,
     SamplingParams,
     UnavailableError,
     UpstreamError,
@@ -54,8 +57,13 @@ class MIIRestBackend(TextServerBackend):
 
 def mii_parameters(p: SamplingParams) -> dict[str, Any]:
     """Our sampling settings in MII's ``generate`` keywords (``MIIRestBackend.unsupported`` are refused first)."""
+    if len(p.stop) > 1:
+        raise InvalidRequestError("stop with more than one string is not supported by DeepSpeed-MII backends "
+                                  "(its REST gateway carries scalars only)", param="stop")
     out: dict[str, Any] = {"do_sample": not p.greedy, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
-                           "min_new_tokens": p.min_tokens, "stop": p.stop}
+                           "min_new_tokens": p.min_tokens}
+    if p.stop:
+        out["stop"] = p.stop[0]
     if p.max_tokens is not None:
         out["max_new_tokens"] = p.max_tokens
     if not p.greedy:

@@ -20,7 +20,7 @@ Parts, in order of the default run:
                (``--peer-requests`` of the same shape) for the side-by-side table
   tests        the CUDA test suite and the kernel tests on the device (greedy parity with transformers,
                prefix caching, chunked prefill, preemption, graphs vs eager)
-  deepspeed    DeepSpeed-Inference with kernel injection (its CUDA ops compiled just in time) behind burstgate's
+  deepspeed    DeepSpeed-Inference (kernel injection where the model is not GQA; ops prebuilt for sm_90) behind burstgate's
                ``deepspeed`` kind, the 12.3B model, the peers' burst
   mii          DeepSpeed-MII (FastGen) behind its REST server through burstgate's ``mii`` kind (needs
                ``deepspeed-kernels`` and ``deepspeed-mii`` carried: ``gpu_carry.py --mii``)

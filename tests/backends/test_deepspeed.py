@@ -54,6 +54,8 @@ def test_mii_chat_needs_a_local_template(mii_url, smollm2_path):
 def test_mii_errors(mii_url):
     with pytest.raises(InvalidRequestError, match="repetition_penalty is not supported"):
         run_mii(mii_url, repetition_penalty=1.2)
+    with pytest.raises(InvalidRequestError, match="stop with more than one string"):
+        run_mii(mii_url, max_tokens=5, stop=[" lazy", " dog"])
     with pytest.raises(UpstreamError, match="500"):
         run_mii(mii_url, prompt="CRASH please", max_tokens=5)
     with pytest.raises(UnavailableError, match="404"):

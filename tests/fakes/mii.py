@@ -4,7 +4,8 @@ Shapes follow deepspeedai/DeepSpeed-MII: mii/grpc_related/restful_gateway.py (``
 with ``client.generate`` keywords, a JSON list of ``Response.to_msg_dict()``; ``GET /healthz`` → "ok";
 a Flask-RESTful resource, so any exception is a 500 ``{"message": "Internal Server Error"}``),
 mii/batching/data_classes.py (``generated_text``, ``prompt_length``, ``generated_length``,
-``finish_reason``) and mii/config.py (``GenerateParamsConfig`` bounds and defaults).
+``finish_reason``), mii/config.py (``GenerateParamsConfig`` bounds and defaults; ``stop`` one string or a
+list) and mii/utils.py (``kwarg_dict_to_proto``: each keyword a scalar or a dict, anything else a 500).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def create_mii_app(deployment: str = "toy-deployment") -> Starlette:
             return JSONResponse({"message": "The requested URL was not found on the server."}, status_code=404)
         kw = await request.json()
         prompts = kw.pop("prompts")
+        if any(not isinstance(v, str | int | float | bool | dict) for v in kw.values()):
+            return JSONResponse(INTERNAL_ERROR, status_code=500)  # KeyError in kwarg_dict_to_proto
+        stop = kw.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
         prompts = [prompts] if isinstance(prompts, str) else prompts
         top_p, temperature, top_k = kw.get("top_p", 0.9), kw.get("temperature"), kw.get("top_k")
         if not 0 < top_p <= 1 or (temperature is not None and temperature <= 0) or (top_k is not None and top_k <= 0):
@@ -33,7 +38,7 @@ def create_mii_app(deployment: str = "toy-deployment") -> Starlette:
         out = []
         for prompt in prompts:
             try:
-                steps = list(toy_model.generate(prompt, max_new, kw.get("stop") or []))
+                steps = list(toy_model.generate(prompt, max_new, stop))
             except RuntimeError:
                 return JSONResponse(INTERNAL_ERROR, status_code=500)
             text = "".join(s.token.text for s in steps if not s.token.special)
