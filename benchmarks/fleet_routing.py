@@ -46,7 +46,7 @@ WORKLOADS = {
     "random": ["--endpoint", "chat", "--requests", "64", "--input-len", "256", "--output-len", "16"],
 }
 # gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
-POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware", "cache_aware@64",
+POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@256", "cache_aware@64",
             "cache_aware_precise@64"]
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 

@@ -54,7 +54,9 @@ class CacheAwareConfig(PolicyConfig):
     # local HF directory or .gguf whose tokenizer is the engines' (remote deployments); None: an in-process
     # engine's, else the first deployment's /tokenize; without either, prompts are cut into characters
     tokenizer: str | None = None
-    load_cost_tokens: float = Field(256.0, ge=0)  # uncached prompt tokens one running or queued request is worth
+    # uncached prompt tokens one running or queued request is worth; 64 led 256 on every workload of
+    # benchmarks/fleet_routing.py (docs/performance.md "Routing across replicas")
+    load_cost_tokens: float = Field(64.0, ge=0)
     balance_abs_threshold: int = Field(32, ge=0)
     balance_rel_threshold: float = Field(1.5, ge=1)
     kv_high_watermark: float = Field(0.95, gt=0, le=1)
