@@ -7,6 +7,10 @@ Formats (a deployment's ``tool_parser``, vLLM's ``--tool-call-parser`` names):
 - ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}`` objects separated by ``;``,
   optionally after ``<|python_tag|>`` (vllm/tool_parsers/llama_tool_parser.py).
 
+Without a parser (vLLM serves forced calls so too), "required" and a named function still work: the answer is
+constrained to JSON, a named function's arguments object or a list of ``{"name", "parameters"}`` objects, and
+read back as the calls it is (``FORCED_JSON``); only "auto" needs the model's own format.
+
 ``tool_choice`` "required" or a named function is enforced by an xgrammar structural tag in the parser's
 own format whose arguments follow the function's JSON schema (vLLM builds the same tags in
 vllm/tool_parsers/structural_tag_registry.py, constraining arguments when a tool is ``strict`` or the
@@ -141,7 +145,55 @@ class Llama3JsonParser(ToolCallParser):
         return 0, calls
 
 
+class RequiredJsonParser(ToolCallParser):
+    """A forced answer without a parser: ``[{"name": ..., "parameters": {...}}, ...]`` (vLLM's schema)."""
+
+    arguments_keys = ("parameters",)
+
+    def _split(self, text: str, final: bool) -> tuple[int, list[tuple[str, bool]]]:
+        body = text.lstrip().removeprefix("[").lstrip()
+        calls, decoder = [], json.JSONDecoder()
+        while body.startswith("{"):
+            try:
+                _, end = decoder.raw_decode(body)
+            except ValueError:
+                calls.append((body, False))
+                break
+            calls.append((body[:end], True))
+            body = body[end:].lstrip().removeprefix(",").lstrip()
+        return 0, calls
+
+
+class NamedJsonParser(ToolCallParser):
+    """A named function forced without a parser: the whole answer is its arguments object."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _split(self, text: str, final: bool) -> tuple[int, list[tuple[str, bool]]]:
+        complete = _is_json(text)
+        body = f'{{"name": {json.dumps(self.name)}, "arguments": {text}{"}" if complete else ""}'
+        return 0, [(body, complete)]
+
+
+FORCED_JSON = "json"  # the parser of forced calls on a deployment without a tool_parser
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def call_format(parser: str | None, tool_choice: ToolChoice) -> str | None:
+    """How ``tool_choice``'s calls are written on a deployment with ``parser``: its format, else JSON for forced
+    calls (None: "auto" without a parser, which ``check_tool_request`` refuses)."""
+    if parser is not None:
+        return parser
+    return FORCED_JSON if tool_choice == "required" or named_function(tool_choice) else None
+
+
+def _parser(fmt: str, tool_choice: ToolChoice) -> ToolCallParser:
+    if fmt != FORCED_JSON:
+        return PARSERS[fmt]()
+    name = named_function(tool_choice)
+    return NamedJsonParser(name) if name is not None else RequiredJsonParser()
 
 
 def _partial_overlap(text: str, tag: str) -> int:
@@ -164,7 +216,7 @@ async def parse_tool_calls(chunks: AsyncIterator[GenerationChunk], parser: str, 
     parsers: dict[int, ToolCallParser] = {}
     forced_name = named_function(tool_choice)
     async for chunk in chunks:
-        p = parsers.setdefault(chunk.index, PARSERS[parser]())
+        p = parsers.get(chunk.index) or parsers.setdefault(chunk.index, _parser(parser, tool_choice))
         content, calls = p.feed(chunk.text, final=chunk.finish_reason is not None)
         reason = chunk.finish_reason
         if reason == "stop" and p.called and forced_name is None:
@@ -189,6 +241,8 @@ def tool_call_grammar(parser: str, tools: list[dict[str, Any]], tool_choice: Too
 
     functions = [t["function"] for t in tools]
     forced = named_function(tool_choice)
+    if parser == FORCED_JSON:
+        return _forced_json(functions, forced, parallel_tool_calls)
     if forced is not None:
         functions = [f for f in functions if f["name"] == forced]
     elif tool_choice == "auto":
@@ -220,12 +274,26 @@ def check_tool_request(parser: str | None, tools: list[dict[str, Any]] | None, t
     """Refuse what a deployment with ``parser`` (None: no tool calling) cannot do, in vLLM's words."""
     if tool_choice == "none" or not tools:
         return
-    if parser is None:
-        what = "\"auto\" tool choice" if tool_choice == "auto" else f"tool_choice={json.dumps(tool_choice)}"
-        raise InvalidRequestError(f"{what} requires a tool_parser on this deployment (vLLM: "
+    if parser is None and tool_choice == "auto":
+        raise InvalidRequestError("\"auto\" tool choice requires a tool_parser on this deployment (vLLM: "
                                   "--enable-auto-tool-choice --tool-call-parser)", param="tool_choice")
-    if parser not in PARSERS:
+    if parser is not None and parser not in PARSERS:
         raise InvalidRequestError(f"unknown tool_parser {parser!r}; known: {sorted(PARSERS)}", param="tool_choice")
     if tool_choice != "auto" and structured is not None:
         raise InvalidRequestError("You can only either use constraints for structured outputs or force tool "
                                   "calls, not both.", param=structured.param)
+
+
+def _forced_json(functions: list[dict[str, Any]], forced: str | None, parallel_tool_calls: bool) -> StructuredOutput:
+    """The JSON a forced call is written in without a parser (vLLM's): a named function's arguments, or a list of
+    calls of any function, each ``{"name", "parameters"}`` (one call only without ``parallel_tool_calls``)."""
+    if forced is not None:
+        schema = next(f for f in functions if f["name"] == forced).get("parameters") or {"type": "object"}
+        return StructuredOutput("json", json.dumps(schema), "tool_choice")
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                                               "parameters": f.get("parameters") or {"type": "object"}},
+              "required": ["name", "parameters"]} for f in functions]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutput("json", json.dumps(schema), "tool_choice")

@@ -1,5 +1,5 @@
 """The FastAPI app: the gateway it serves and its keys in ``app.state``, the middleware, and the routers of
-gateway/routes/ (OpenAI, tokenizer, operations)."""
+gateway/routes/ (OpenAI's chat and completions, its Responses API, tokenizer, operations)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from gateway import errors
 from gateway.access_log import RequestIdMiddleware, header
 from gateway.auth import ApiKeys
 from gateway.errors import BodyTooLarge
-from gateway.routes import openai, operations, tokenizer
+from gateway.responses.service import Responses
+from gateway.routes import openai, operations, responses, tokenizer
 from gateway.service import Gateway
 
 
@@ -25,6 +26,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.responses.close()
             if manage_lifecycle:
                 await gateway.close()
 
@@ -32,10 +34,11 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
                   description="OpenAI-compatible gateway in front of the native engine, vLLM, TGI and DeepSpeed.")
     app.state.gateway = gateway
     app.state.keys = ApiKeys.from_settings(gateway.settings)
+    app.state.responses = Responses.from_settings(gateway, gateway.settings)
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so even a 413 carries the id
-    for routes in (openai, tokenizer, operations):
+    for routes in (openai, responses, tokenizer, operations):
         app.include_router(routes.router)
     return app
 

@@ -7,6 +7,7 @@ Nested env overrides use ``__``: ``BURSTGATE_LIMITS__MAX_BODY_BYTES=1000000``.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from backends.deepspeed_config import DeepSpeedConfig
 from backends.http import RemoteConfig, TextServerConfig, env_reference, from_environment
 from backends.mii import MIIConfig
-from backends.native.config import EngineConfig
+from backends.native.config import DEFAULT_MODEL_ENV, EMBEDDED_TOOLS_TEMPLATE, EngineConfig
 from gateway.routing import routing_config
 from gateway.routing.least_outstanding import LeastOutstandingConfig
 
@@ -143,6 +144,15 @@ class Limits(_Strict):
     redis_url: str | None = None  # shared rate-limit counters when several replicas run
 
 
+class ResponsesStore(_Strict):
+    """Where the Responses API keeps stored responses: Redis (``redis_url``, else ``limits.redis_url``), shared by
+    gateway replicas, else this process's memory."""
+
+    retention_s: float = Field(30 * 24 * 3600.0, gt=0)  # OpenAI keeps stored responses 30 days
+    max_records: int = Field(10_000, ge=1)  # in memory only: the oldest are dropped beyond it
+    redis_url: str | None = None
+
+
 class Server(_Strict):
     """The HTTP server's limits against slow, huge and idle clients (gateway/http_server.py)."""
 
@@ -169,6 +179,7 @@ class Settings(BaseSettings):
     limits: Limits = Field(default_factory=Limits)
     resilience: Resilience = Field(default_factory=Resilience, validation_alias=AliasChoices("resilience", "router"))
     server: Server = Field(default_factory=Server)
+    responses: ResponsesStore = Field(default_factory=ResponsesStore)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -196,7 +207,16 @@ class Settings(BaseSettings):
 
     def routes(self) -> list[ModelRoute]:
         """The configured models, or the embedded default when none is configured."""
-        return self.models or [ModelRoute(name=DEFAULT_MODEL_NAME, deployments=[NativeDeployment()])]
+        return self.models or [ModelRoute(name=DEFAULT_MODEL_NAME, deployments=[embedded_default()])]
+
+
+def embedded_default() -> NativeDeployment:
+    """The deployment served when none is configured: the embedded SmolLM2, its chats rendered by its own template
+    with tools added and tool calls read by the hermes parser (tool choice "auto" works out of the box); a model
+    named by ``$BURSTGATE_DEFAULT_MODEL`` instead keeps its own template and calls only forced tools."""
+    if os.environ.get(DEFAULT_MODEL_ENV):
+        return NativeDeployment()
+    return NativeDeployment(chat_template=str(EMBEDDED_TOOLS_TEMPLATE), tool_parser="hermes")
 
 
 def hash_key(key: str) -> str:

@@ -26,7 +26,7 @@ from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Choice, ModelGroup
+from gateway.routing import Choice, Conversation, ModelGroup
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,12 @@ class Gateway:
             raise model_not_found(model)
         return group
 
-    async def generate(self, group: ModelGroup, request: GenerationRequest, caller: Caller
-                       ) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, group: ModelGroup, request: GenerationRequest, caller: Caller,
+                       conversation: Conversation | None = None) -> AsyncIterator[GenerationChunk]:
         """Stream one request. Failures before the first chunk are retried on other deployments (with
         backoff), then on the fallback models; the last error propagates as raised. After the first
-        chunk a failure ends the stream. Closing the iterator aborts the backend's work."""
+        chunk a failure ends the stream. Closing the iterator aborts the backend's work. A request of a
+        ``conversation`` is routed to where the conversation is held, and says where it was served."""
         attempt, last_error, failed = 0, None, None
         for g in [group, *(self.groups[name] for name in group.fallbacks)]:
             if g is not group:
@@ -158,11 +159,13 @@ class Gateway:
                 if attempt:
                     await asyncio.sleep(random.uniform(0, min(self.resilience.retry_backoff_max_s,
                                                               self.resilience.retry_backoff_s * 2 ** (attempt - 1))))
-                choice = await _choose(g, request, tried)
+                choice = await _choose(g, request, tried, conversation if g is group else None)
                 if choice is None:
                     last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
                     break
                 deployment = choice.deployment
+                if conversation is not None:
+                    conversation.served_by = deployment.name
                 self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
                 if (blocks := g.policy.index_blocks(deployment)) is not None:
                     self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
@@ -244,11 +247,12 @@ class Gateway:
                 await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
 
 
-async def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment]) -> Choice | None:
+async def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment],
+                  conversation: Conversation | None) -> Choice | None:
     """A deployment not tried yet, else any available one (a retry on the same backend beats none)."""
     for exclude in (tried, ()):
         try:
-            return await group.route(request, exclude=exclude)
+            return await group.route(request, exclude=exclude, conversation=conversation)
         except UnavailableError:
             if not tried:
                 return None

@@ -19,6 +19,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from backends.base import GenerationChunk, SamplingParams, UnavailableError, UpstreamError
 from backends.native.engine import LLMEngine, RequestOutput
@@ -33,6 +34,33 @@ class _Stream:
 
 
 class AsyncEngine:
+    """The one thread that steps an ``LLMEngine``. Backends serving the same engine share it (``attach``): two
+    threads stepping one engine would schedule the same sequences twice."""
+
+    _drivers: ClassVar[dict[int, tuple[AsyncEngine, int]]] = {}  # id(engine) -> (its driver, backends attached)
+    _drivers_lock = threading.Lock()
+
+    @classmethod
+    def attach(cls, engine: LLMEngine) -> AsyncEngine:
+        """``engine``'s driver, started on first use; every ``attach`` is paired with a ``detach``."""
+        with cls._drivers_lock:
+            driver, users = cls._drivers.get(id(engine), (None, 0))
+            if driver is None or driver.engine is not engine or driver.dead is not None:  # none yet, or it died
+                driver, users = cls(engine), 0
+            cls._drivers[id(engine)] = (driver, users + 1)
+            return driver
+
+    def detach(self) -> None:
+        """One backend is done with the driver; the last one stops its thread."""
+        with self._drivers_lock:
+            driver, users = self._drivers.get(id(self.engine), (None, 0))
+            if driver is self and users > 1:
+                self._drivers[id(self.engine)] = (self, users - 1)
+                return
+            if driver is self:
+                del self._drivers[id(self.engine)]
+        self.close()
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -22,7 +22,7 @@ from backends.native.async_engine import AsyncEngine
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine, start_engine
 from backends.native.sampler import token_logprob
-from backends.tool_calls import check_tool_request, parse_tool_calls, tool_call_grammar
+from backends.tool_calls import call_format, check_tool_request, parse_tool_calls, tool_call_grammar
 
 
 class NativeBackend(Backend):
@@ -41,11 +41,11 @@ class NativeBackend(Backend):
     async def start(self) -> None:
         if self._engine is None:
             self._engine = await asyncio.to_thread(start_engine, self.config)
-        self._async = AsyncEngine(self._engine)
+        self._async = AsyncEngine.attach(self._engine)
 
     async def close(self) -> None:
         if self._async is not None:
-            await asyncio.to_thread(self._async.close)
+            await asyncio.to_thread(self._async.detach)
             self._async = None
         if self._owns_engine and self._engine is not None:
             await asyncio.to_thread(self._engine.close)
@@ -66,15 +66,15 @@ class NativeBackend(Backend):
         refuse_extra_fields(request, self.name)
         params, calls_tools = request.params, bool(request.tools) and request.tool_choice != "none"
         if calls_tools:
-            parser = self.config.tool_parser
-            check_tool_request(parser, request.tools, request.tool_choice, params.structured)
-            grammar = tool_call_grammar(parser, request.tools, request.tool_choice, request.parallel_tool_calls)
+            check_tool_request(self.config.tool_parser, request.tools, request.tool_choice, params.structured)
+            fmt = call_format(self.config.tool_parser, request.tool_choice)
+            grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
             # Tool-call markers may be special tokens: the parser must see them (vLLM's hermes parser too).
             params = dataclasses.replace(params, structured=grammar or params.structured, skip_special_tokens=False)
         prompt_ids = self._prompt_ids(request)
         chunks = self._async.generate(request.request_id, prompt_ids, params)
         if calls_tools:
-            chunks = parse_tool_calls(chunks, self.config.tool_parser, request.tool_choice)
+            chunks = parse_tool_calls(chunks, fmt, request.tool_choice)
         if request.echo:
             text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(prompt_ids)
             chunks = self._echo(chunks, text, prompt_ids[0])

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# The embedded SmolLM2's own chat template with tools added (chat_templates/smollm2_tools.jinja): what the default
+# deployment renders chats with, so that its hermes tool parser has calls to read
+EMBEDDED_TOOLS_TEMPLATE = Path(__file__).parent / "chat_templates" / "smollm2_tools.jinja"
+DEFAULT_MODEL_ENV = "BURSTGATE_DEFAULT_MODEL"  # a local GGUF served instead of the embedded SmolLM2 (weights.py)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype names ("fp8" is e4m3, as in vLLM) for KV caches of one byte per value: torch's names
 FP8_KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}

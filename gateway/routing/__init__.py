@@ -11,15 +11,17 @@ this package per policy, behind one interface (policy.py), chosen by the model's
 - ``cache_aware``: lowest cost counting the prompt's uncached tokens on each replica (prefix_index.py) and the
   replica's load as its engine reports it (engine_load.py), with guards against hot spots.
 
+A conversation's next turn (``Conversation``: the Responses API's ``previous_response_id``) goes to the deployment
+that answered the previous one, whatever the policy, while that keeps the load within SGLang's imbalance rule.
 Every policy sees only deployments that are healthy, whose breaker lets requests through, and that the request
 has not tried already.
 """
 
 from gateway.routing import cache_aware, latency, least_outstanding, prefix_affinity, round_robin  # noqa: F401
 from gateway.routing.group import ModelGroup
-from gateway.routing.policy import POLICIES, Choice, Policy, PolicyConfig, RoutedRequest, register
+from gateway.routing.policy import POLICIES, Choice, Conversation, Policy, PolicyConfig, RoutedRequest, register
 
-__all__ = ["POLICIES", "Choice", "ModelGroup", "Policy", "PolicyConfig", "RoutedRequest", "register",
+__all__ = ["POLICIES", "Choice", "Conversation", "ModelGroup", "Policy", "PolicyConfig", "RoutedRequest", "register",
            "routing_config"]
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from backends.base import GenerationRequest, UnavailableError
 from gateway.routing.least_outstanding import LeastOutstandingConfig
-from gateway.routing.policy import POLICIES, Choice, PolicyConfig, RoutedRequest
+from gateway.routing.policy import POLICIES, Choice, Conversation, PolicyConfig, RoutedRequest
 
 if TYPE_CHECKING:
     from gateway.deployments import Deployment
@@ -41,14 +41,22 @@ class ModelGroup:
             raise UnavailableError(f"no healthy backend for model '{self.name}'")
         return candidates
 
-    async def route(self, request: GenerationRequest, exclude: Collection[Deployment] = ()) -> Choice:
-        """The deployment that serves ``request`` and why; the policy hears of the dispatch. Raises
+    async def route(self, request: GenerationRequest, exclude: Collection[Deployment] = (),
+                    conversation: Conversation | None = None) -> Choice:
+        """The deployment that serves ``request`` and why; the policy hears of the dispatch. A conversation's
+        next turn goes where its previous one was answered while that keeps the load balanced. Raises
         ``UnavailableError`` when none is available."""
         candidates = self.candidates(exclude)
-        routed = RoutedRequest(request, session=request.user)
+        routed = RoutedRequest(request, session=(conversation and conversation.session) or request.user)
         if self.policy.needs_tokens:
             routed.tokens, routed.tokens_source = await self.tokens(request, candidates)
-        choice = self.policy.choose(candidates, routed) if len(candidates) > 1 else Choice(candidates[0], "only")
+        held = next((d for d in candidates if d.name == conversation.held_by), None) if conversation else None
+        if len(candidates) == 1:
+            choice = Choice(candidates[0], "only")
+        elif held is not None and self.policy.balanced(held, candidates):
+            choice = Choice(held, "conversation")
+        else:
+            choice = self.policy.choose(candidates, routed)
         self.policy.dispatched(choice.deployment, routed)
         return Choice(choice.deployment, choice.reason, routed)
 

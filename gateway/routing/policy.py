@@ -43,6 +43,17 @@ class RoutedRequest:
     notes: dict[str, Any] = field(default_factory=dict)  # what the policy measured, for its dispatch hook
 
 
+@dataclass
+class Conversation:
+    """A request's place in a conversation the gateway keeps (the Responses API's stored turns): ``held_by`` names
+    the deployment that answered the previous turn, whose KV cache holds the history (preferred when the load
+    guard allows), ``session`` keys sticky ties (``prompt_cache_key``); the gateway writes ``served_by``."""
+
+    held_by: str | None = None
+    session: str | None = None
+    served_by: str | None = None
+
+
 @dataclass(frozen=True)
 class Choice:
     """The deployment a policy chose and why (a label of burstgate:routing_decisions_total), with the request as
@@ -75,6 +86,21 @@ class Policy(abc.ABC):
         """``deployment`` answered ``request``: ``tokens`` are its prompt's and its answer's, as the engine holds
         them now (what a next turn of the conversation begins with)."""
 
+    def load(self, deployment: Deployment) -> float:
+        """Requests ``deployment`` runs and queues per unit of weight, as this policy sees them (this gateway's own
+        in-flight count unless the policy reads the engines')."""
+        return deployment.outstanding / deployment.weight
+
+    def balanced(self, deployment: Deployment, candidates: list[Deployment]) -> bool:
+        """Whether sending one more request to ``deployment`` keeps the load within SGLang's imbalance rule: not
+        more than ``balance_abs_threshold`` requests over the idlest candidate and ``balance_rel_threshold`` times
+        its load (the policy's settings where it has them, else SGLang's defaults)."""
+        loads = [self.load(d) for d in candidates]
+        mine, idlest = self.load(deployment), min(loads)
+        limit_abs = getattr(self.config, "balance_abs_threshold", BALANCE_ABS_THRESHOLD)
+        limit_rel = getattr(self.config, "balance_rel_threshold", BALANCE_REL_THRESHOLD)
+        return not (mine - idlest > limit_abs and mine > limit_rel * idlest)
+
     def index_blocks(self, deployment: Deployment) -> int | None:
         """KV blocks the policy's index says ``deployment`` holds (None: the policy keeps no index)."""
         return None
@@ -88,6 +114,7 @@ class Policy(abc.ABC):
         return []
 
 
+BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD = 32, 1.5  # SGLang's router's defaults
 POLICIES: dict[str, type[Policy]] = {}
 
 

@@ -180,6 +180,43 @@ class ServerInfo(BaseModel):
     models: list[ModelInfo]
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class Response(BaseModel):
+    """A Responses API response (gateway/responses/encoding.py writes every key of OpenAI's)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    metadata: dict[str, str]
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class InputItemList(BaseModel):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entries: each status answered with ``ErrorResponse``."""
     return {status: {"model": ErrorResponse} for status in statuses}
@@ -194,9 +231,13 @@ def ok(model: type[BaseModel], *error_statuses: int) -> dict[int | str, dict[str
     return {200: {"model": model}, **COMMON, **errors(*error_statuses)}
 
 
-def generation(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+CHUNK_EVENTS = ("JSON, or with `stream: true` Server-Sent Events whose data are chunk objects (an error object if "
+                "the stream fails), then `[DONE]`.")
+RESPONSE_EVENTS = ("JSON, or with `stream: true` the Responses API's typed Server-Sent Events (`response.created` "
+                   "... `response.completed`, or `response.failed` if the stream fails).")
+
+
+def generation(model: type[BaseModel], events: str = CHUNK_EVENTS) -> dict[int | str, dict[str, Any]]:
     """A generation route's answers: ``model`` as JSON, or Server-Sent Events with ``stream: true``."""
-    return {200: {"model": model, "content": {"text/event-stream": {}},
-                  "description": "JSON, or with `stream: true` Server-Sent Events whose data are chunk objects "
-                                 "(an error object if the stream fails), then `[DONE]`."},
+    return {200: {"model": model, "content": {"text/event-stream": {}}, "description": events},
             **COMMON, **errors(404, 429, 502, 503, 504)}

@@ -1,5 +1,6 @@
 """The tool-call parsers, fed text as an engine streams it (the formats of vLLM's hermes and llama3_json parsers:
-vllm/tool_parsers/hermes_tool_parser.py, llama_tool_parser.py), and the grammar that forces a call."""
+vllm/tool_parsers/hermes_tool_parser.py, llama_tool_parser.py, and the JSON of forced calls on a deployment without
+a parser, vllm/entrypoints/openai/chat_completion/serving.py), and the grammar that forces a call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import json
 import pytest
 
 from backends.base import GenerationChunk
-from backends.tool_calls import HermesParser, Llama3JsonParser, tool_call_grammar
+from backends.tool_calls import (
+    FORCED_JSON,
+    HermesParser,
+    Llama3JsonParser,
+    NamedJsonParser,
+    RequiredJsonParser,
+    call_format,
+    check_tool_request,
+    tool_call_grammar,
+)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -104,3 +114,40 @@ def test_parse_tool_calls_sets_the_finish_reason():
 
     assert asyncio.run(run("required"))[-1].finish_reason == "tool_calls"
     assert asyncio.run(run({"type": "function", "function": {"name": "get_time"}}))[-1].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------- without a tool_parser
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_without_a_parser_forced_calls_are_json_and_auto_is_refused():
+    assert call_format(None, "required") == call_format(None, NAMED_TIME) == FORCED_JSON
+    assert call_format("hermes", "required") == "hermes" and call_format(None, "auto") is None
+    check_tool_request(None, [WEATHER], "required", None)
+    check_tool_request(None, [WEATHER], NAMED_TIME, None)
+    with pytest.raises(Exception, match='"auto" tool choice requires a tool_parser'):
+        check_tool_request(None, [WEATHER], "auto", None)
+
+
+@pytest.mark.parametrize("split", [_chars, lambda t: [t]])
+def test_a_named_functions_answer_is_its_arguments(split):
+    content, calls = _run(NamedJsonParser("get_weather"), split('{"city": "Paris"}'))
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("split", [_chars, lambda t: [t]])
+def test_a_required_answer_is_a_list_of_calls(split):
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    content, calls = _run(RequiredJsonParser(), split(text))
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+
+def test_forced_json_grammars_follow_the_functions_schemas():
+    named = tool_call_grammar(FORCED_JSON, [WEATHER, TIME], NAMED_TIME, True)
+    assert (named.kind, json.loads(named.spec)) == ("json", TIME["function"]["parameters"])
+    required = json.loads(tool_call_grammar(FORCED_JSON, [WEATHER, TIME], "required", False).spec)
+    assert required["minItems"] == required["maxItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert "maxItems" not in json.loads(tool_call_grammar(FORCED_JSON, [WEATHER], "required", True).spec)

@@ -47,7 +47,9 @@ def api_schema(fuzz_url):
 
 ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/ready"),
-          ("GET", "/metrics"), ("GET", "/admin/backends"), ("GET", "/info")}
+          ("GET", "/metrics"), ("GET", "/admin/backends"), ("GET", "/info"), ("POST", "/v1/responses"),
+          ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
+          ("POST", "/v1/responses/{response_id}/cancel"), ("DELETE", "/v1/responses/{response_id}")}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

@@ -147,3 +147,36 @@ def test_bad_tool_requests_get_a_400_naming_the_field(served, engine_idle, body,
     r = httpx.post(f"{served}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 5, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ------------------------------------------------------------------------------- without a tool_parser
+def test_without_a_parser_named_and_required_calls_are_forced_as_json(gateway_url, engine_idle):
+    """vLLM serves forced calls without --enable-auto-tool-choice: the answer is held to JSON and read back as
+    the calls it is (LangChain's ``bind_tools(tool_choice="any")`` and ``with_structured_output(method=
+    "function_calling")`` send these); only "auto" needs the model's own format."""
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+        named = c.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+        (call,) = named.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and named.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+        required = c.chat.completions.create(tool_choice="required", **kw)
+        calls = required.choices[0].message.tool_calls
+        assert calls and required.choices[0].finish_reason == "tool_calls"
+        assert all(call.function.name in ("get_weather", "get_time") for call in calls)
+        with pytest.raises(openai.BadRequestError, match="requires a tool_parser"):
+            c.chat.completions.create(tool_choice="auto", **kw)
+
+
+def test_the_embedded_defaults_settings_serve_auto_tool_choice(start_gateway, engine_idle):
+    """The default deployment (gateway.config.embedded_default) renders tools with SmolLM2's template and reads
+    calls with the hermes parser: "auto" is answered, not refused."""
+    from gateway.config import embedded_default
+
+    default = embedded_default()
+    config = EngineConfig(tool_parser=default.tool_parser, chat_template=default.chat_template)
+    with start_gateway(backend_config=config) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
+            "model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 40, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
