@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import free_port, start_vllm
+from backends.native.config import EngineConfig
+from benchmarks.peers import export_hf_dir, free_port, start_vllm
+from gateway.app import create_app
+from gateway.config import ModelRoute, Settings
+from gateway.service import Gateway
+from tests.servers import serve_app
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "chat_templates" / "chatml_tools.jinja"
 
@@ -22,3 +27,14 @@ def vllm_url():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def burstgate_url():
+    """burstgate serving what the peer vLLM serves, as "smollm2": the same weights, template and tool parser."""
+    engine = {"model_path": str(export_hf_dir()), "dtype": "float32", "max_model_len": 2048,
+              "tool_parser": "hermes", "chat_template": str(TOOLS_TEMPLATE)}
+    EngineConfig(**engine)  # fail early on a bad setting
+    settings = Settings(models=[ModelRoute(name="smollm2", deployments=[{"kind": "native", **engine}])])
+    with serve_app(create_app(Gateway.from_settings(settings))) as url:
+        yield url

@@ -17,13 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from backends.native.config import EngineConfig
-from benchmarks.peers import VLLM_PYTHON, export_hf_dir
-from gateway.app import create_app
-from gateway.config import ModelRoute, Settings
-from gateway.service import Gateway
-from tests.peers.conftest import TOOLS_TEMPLATE
-from tests.servers import serve_app
+from benchmarks.peers import VLLM_PYTHON
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
@@ -135,14 +129,9 @@ _outcomes: dict[str, dict[str, Any]] = {}
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_url, smollm2_tokenizer):
+def servers(vllm_url, burstgate_url, smollm2_tokenizer):
     """(vLLM's URL, burstgate's URL, the token id of "."): both serve the same weights as "smollm2"."""
-    engine = {"model_path": str(export_hf_dir()), "dtype": "float32", "max_model_len": 2048,
-              "tool_parser": "hermes", "chat_template": str(TOOLS_TEMPLATE)}
-    EngineConfig(**engine)  # fail early on a bad setting
-    settings = Settings(models=[ModelRoute(name="smollm2", deployments=[{"kind": "native", **engine}])])
-    with serve_app(create_app(Gateway.from_settings(settings))) as url:
-        yield vllm_url, url, smollm2_tokenizer.encode(".", add_special_tokens=False)[-1]
+    yield vllm_url, burstgate_url, smollm2_tokenizer.encode(".", add_special_tokens=False)[-1]
     RESULTS.write_text(json.dumps({
         "command": "make test-peers (tests/peers/test_vllm_differential.py)",
         "variants": len(_outcomes), "matching": sum(o["match"] for o in _outcomes.values()),

