@@ -6,7 +6,8 @@ in OpenAI's order (``response.created``, ``response.in_progress``, ``response.ou
 ``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, then the next item, ``response.completed``), each
 with its ``sequence_number``; folded, the same items make the object. An answer cut by ``max_output_tokens`` is
-``incomplete`` (its items too) and, as in vLLM's server, still ends with ``response.completed``.
+``incomplete`` (its items ``completed``) and still ends with ``response.completed``, as vLLM's server writes it
+(tests/peers/test_vllm_responses.py).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class ResponseAssembler:
         if item is None:
             return []
         index = self.items.index(item)
-        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        item["status"] = "completed"  # also in an incomplete response, as vLLM writes it (OpenAI: "incomplete")
         if item["type"] == "function_call":
             return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 arguments=item["arguments"], name=item["name"]),
