@@ -49,7 +49,8 @@ def test_engine_gauges_say_what_the_engine_holds_while_it_serves_and_after(start
     body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
     with start_gateway() as (url, _):
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: "))  # it runs
+            lines = r.iter_lines()  # held: a dropped line iterator closes the response, and the request ends
+            next(line for line in lines if line.startswith("data: "))  # it runs
             during = _scrape(url)
         for _ in range(100):  # the client left: the engine drops the sequence at its next step
             after = _scrape(url)
