@@ -133,16 +133,7 @@ class Llama3JsonParser(ToolCallParser):
             return (len(text) if final else 0), []
         if not body.startswith("{"):
             return len(text), []
-        calls, decoder = [], json.JSONDecoder()
-        while body:
-            try:
-                _, end = decoder.raw_decode(body)
-            except ValueError:
-                calls.append((body, False))
-                break
-            calls.append((body[:end], True))
-            body = body[end:].lstrip().removeprefix(";").lstrip()
-        return 0, calls
+        return 0, _json_calls(body, ";")
 
 
 class RequiredJsonParser(ToolCallParser):
@@ -151,17 +142,7 @@ class RequiredJsonParser(ToolCallParser):
     arguments_keys = ("parameters",)
 
     def _split(self, text: str, final: bool) -> tuple[int, list[tuple[str, bool]]]:
-        body = text.lstrip().removeprefix("[").lstrip()
-        calls, decoder = [], json.JSONDecoder()
-        while body.startswith("{"):
-            try:
-                _, end = decoder.raw_decode(body)
-            except ValueError:
-                calls.append((body, False))
-                break
-            calls.append((body[:end], True))
-            body = body[end:].lstrip().removeprefix(",").lstrip()
-        return 0, calls
+        return 0, _json_calls(text.lstrip().removeprefix("[").lstrip(), ",", closing="]")
 
 
 class NamedJsonParser(ToolCallParser):
@@ -194,6 +175,21 @@ def _parser(fmt: str, tool_choice: ToolChoice) -> ToolCallParser:
         return PARSERS[fmt]()
     name = named_function(tool_choice)
     return NamedJsonParser(name) if name is not None else RequiredJsonParser()
+
+
+def _json_calls(body: str, separator: str, closing: str | None = None) -> list[tuple[str, bool]]:
+    """The JSON objects ``body`` begins with, one after another between ``separator``s (up to ``closing``): each
+    call's text and whether it is complete (the last may be cut off)."""
+    calls, decoder = [], json.JSONDecoder()
+    while body and not (closing and body.startswith(closing)):
+        try:
+            _, end = decoder.raw_decode(body)
+        except ValueError:
+            calls.append((body, False))
+            break
+        calls.append((body[:end], True))
+        body = body[end:].lstrip().removeprefix(separator).lstrip()
+    return calls
 
 
 def _partial_overlap(text: str, tag: str) -> int:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from backends.base import InvalidRequestError, random_id
-from gateway.wire.requests import NEUTRAL_EXTENSIONS, ChatCompletionRequest, Int64, StructuredOutputsParams
+from gateway.wire.requests import ChatCompletionRequest, Int64, StructuredOutputsParams, _Request
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Fields of OpenAI's request that no engine here can honour at any value but null
@@ -169,10 +169,8 @@ class StreamOptions(_Strict):
 
 
 # -------------------------------------------------------------------------------------------- request
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Request):
     """``POST /v1/responses``: OpenAI's fields and vLLM's extra sampling fields; any other field is a 400."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     input: str | list[InputItem]
@@ -222,9 +220,7 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _vllm_rules(self) -> ResponsesRequest:
-        unknown = [k for k, v in (self.model_extra or {}).items()
-                   if not (k in NEUTRAL_EXTENSIONS and any(v is n for n in NEUTRAL_EXTENSIONS[k]))]
-        if unknown:
+        if unknown := list(self.unknown_fields()):
             raise InvalidRequestError(f"Unknown field for /v1/responses: {unknown[0]}", param=unknown[0])
         if self.background and not self.store:
             raise InvalidRequestError("background can only be used when `store` is true", param="background")

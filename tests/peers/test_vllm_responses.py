@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.peers import VLLM_PYTHON
+from tests.peers.json_paths import key_paths
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
@@ -100,16 +101,8 @@ def _ask(url: str, body: dict) -> dict:
         return {"status": r.status_code, "body": r.json()}
 
 
-def _paths(obj: Any, prefix: str = "") -> set[str]:
-    if isinstance(obj, dict):
-        out = {prefix} if prefix else set()
-        for k, v in obj.items():
-            if k not in VOLATILE:
-                out |= {f"{prefix}.{k}"} | _paths(v, f"{prefix}.{k}")
-        return out
-    if isinstance(obj, list):
-        return set().union(*(_paths(v, prefix + "[]") for v in obj)) if obj else set()
-    return set()
+def _paths(obj: Any) -> set[str]:
+    return key_paths(obj, VOLATILE)
 
 
 def _as_object(path: str) -> str:
