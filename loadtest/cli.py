@@ -100,6 +100,13 @@ def _paper_conflicts(ctx: typer.Context, output_len: str) -> list[str]:
 def _unused(ctx: typer.Context) -> str | None:
     """Options the rest of the command line would leave without effect (nothing accepted and ignored)."""
     p = ctx.params
+    if p["trace"] is not None:
+        shaped = ("requests", "input_len", "output_len", "dataset", "prefix_len", "users", "schedule", "rate",
+                  "burstiness", "sweep_rate", "sweep_concurrency", "preset")
+        if given := [f"--{n.replace('_', '-')}" for n in shaped if _given(ctx, n)]:
+            return f"{', '.join(given)}: a --trace sets its own requests, lengths and times (--time-scale stretches them)"
+    elif _given(ctx, "time_scale") or _given(ctx, "trace_block_size") or p["schedule"] is Schedule.trace:
+        return "--time-scale, --trace-block-size and --schedule trace replay a --trace: add one"
     if p["dataset"] is not None and (_given(ctx, "input_len") or p["prefix_len"]):
         return "--input-len and --prefix-len shape synthetic prompts, not a --dataset's"
     if _given(ctx, "num_prefixes") and not p["prefix_len"]:
@@ -155,6 +162,13 @@ def run(
     question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Multi-turn: tokens of each question.")] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Multi-turn: seconds between an answer "
                                               "and the next question.")] = 0.0,
+    trace: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False, metavar="FILE", help="Replay a JSONL trace (Mooncake's, or timestamp + prompt or "
+        "input_length + output_length [+ session_id]) at its own times.")] = None,
+    time_scale: Annotated[float, typer.Option(min=0.0001, metavar="F", help="Multiplies a trace's times (0.5: "
+                                              "twice as fast).")] = 1.0,
+    trace_block_size: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per trace hash id "
+                                                  "(Mooncake: 512).")] = 512,
     schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.")] = Schedule.burst,
     rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.")] = None,
     burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).")] = 1.0,
@@ -200,10 +214,16 @@ def run(
                                      "tokens, one burst, fixed output); drop them or drop --preset",
                                      param_hint="--preset")
         requests, input_len, schedule = PAPER["requests"], PAPER["input_len"], PAPER["schedule"]
-    workload = Workload(users * turns if users else requests, _length(input_len, "--input-len"),
-                        _length(output_len, "--output-len"), dataset, prefix_len, num_prefixes,
-                        paper=preset is Preset.paper, users=users, turns=turns, system_prompt_len=system_prompt_len,
-                        question_len=question_len)
+    if trace is not None:
+        schedule = Schedule.trace
+    try:
+        workload = Workload(users * turns if users else requests, _length(input_len, "--input-len"),
+                            _length(output_len, "--output-len"), dataset, prefix_len, num_prefixes,
+                            paper=preset is Preset.paper, users=users, turns=turns,
+                            system_prompt_len=system_prompt_len, question_len=question_len, trace=trace,
+                            trace_block_size=trace_block_size, time_scale=time_scale)
+    except ValueError as exc:  # a trace that does not parse
+        raise typer.BadParameter(str(exc), param_hint="--trace") from None
     if ignore_eos is None:
         ignore_eos = dataset is None  # as vLLM: forced for random prompts only
     try:

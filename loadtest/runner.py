@@ -67,7 +67,8 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
 
     ``warmup`` requests go first, all at once (under the closed loop's limit), outside the timed window.
     ``count_tokens`` re-counts the output of requests the server sent no usage for."""
-    offsets = arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed)
+    offsets = ([s.at_s for s in specs] if cfg.schedule is Schedule.trace
+               else arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed))
     async with new_client(cfg.request) as client:
         await _warm_up(client, target, warmup, cfg)
         before = await scrape_metrics(client, target.url)
@@ -81,6 +82,9 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
             elif any(s.conversation is not None for s in specs):
                 t0 = time.perf_counter() + START_LEAD_S
                 records = await _converse(client, target, specs, offsets, t0, cfg, on_done)
+            elif any(s.session is not None for s in specs):
+                t0 = time.perf_counter() + START_LEAD_S
+                records = await _replay_sessions(client, target, specs, offsets, t0, cfg, on_done)
             else:
                 t0 = time.perf_counter() + START_LEAD_S
                 records = await _send_all(client, target, specs, offsets, t0, cfg, on_done)
@@ -93,7 +97,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         count_missing_output_tokens(records, count_tokens)
     summary = summarize(records, ended - t0, cfg.slos_ms or None)
     summary.update(url=target.url, model_id=target.model, label=target.label, num_prompts=len(specs),
-                   request_rate="inf" if cfg.schedule is Schedule.burst else cfg.rate,
+                   request_rate=cfg.rate or offered_rate(offsets) or "inf",  # a trace's: its mean
                    burstiness=used_burstiness(cfg.schedule, cfg.burstiness),
                    offered_request_rate=offered_rate(offsets), max_concurrency=cfg.concurrency,
                    schedule=cfg.schedule.value, warmup_requests=len(warmup),
@@ -176,6 +180,29 @@ async def _converse(client: aiohttp.ClientSession, target: Target, specs: list[R
 
     await asyncio.gather(*(talk(k, indices) for k, indices in enumerate(turns.values())))
     return [r for r in records if r is not None]
+
+
+async def _replay_sessions(client: aiohttp.ClientSession, target: Target, specs: list[RequestSpec],
+                           offsets: list[float], t0: float, cfg: RunConfig, on_done=None) -> list[RequestRecord]:
+    """A trace with sessions: a session's requests go one after another, each when it is due or once the previous
+    one was answered, whichever is later (its send lag counts from then); requests without a session go when due."""
+    chains: dict[object, list[int]] = {}
+    for i, spec in enumerate(specs):
+        chains.setdefault(spec.session if spec.session is not None else ("alone", i), []).append(i)
+    records: list[RequestRecord] = []
+
+    async def chain(indices: list[int]) -> None:
+        for i in indices:
+            due = max(t0 + offsets[i], time.perf_counter())
+            await _sleep_until(due)
+            record = RequestRecord(i, due)
+            records.append(record)
+            await send(client, target, specs[i], record, cfg.request)
+            if on_done is not None:
+                on_done(record)
+
+    await asyncio.gather(*(chain(indices) for indices in chains.values()))
+    return sorted(records, key=lambda r: r.index)
 
 
 async def _sleep_until(when: float) -> None:

@@ -5,7 +5,8 @@ As ``vllm bench serve`` (vllm/benchmarks/serve.py ``get_request``): ``burst`` se
 (request rate inf); ``poisson`` and ``gamma`` add up gaps drawn from Gamma(burstiness, 1/(rate·b))
 (burstiness 1 is Poisson, < 1 burstier, > 1 more even) and rescale the sum so the last request is due
 at exactly n/rate, so every seed offers exactly the asked rate; ``constant`` is vLLM's burstiness inf:
-gaps of exactly 1/rate, the first request one gap after the start.
+gaps of exactly 1/rate, the first request one gap after the start. ``trace`` sends each request at the time
+its trace recorded (loadtest/trace.py): the offsets come with the requests.
 Fixed concurrency (closed loop) is not an arrival schedule: the runner enforces it with a semaphore.
 """
 
@@ -21,6 +22,7 @@ class Schedule(StrEnum):
     poisson = "poisson"
     gamma = "gamma"
     constant = "constant"
+    trace = "trace"
 
 
 def used_burstiness(schedule: Schedule, burstiness: float) -> float:
@@ -32,6 +34,11 @@ def used_burstiness(schedule: Schedule, burstiness: float) -> float:
 
 def check(schedule: Schedule, rate: float | None, burstiness: float) -> None:
     """Refuses settings a schedule would not use (nothing accepted and ignored)."""
+    if schedule is Schedule.trace:
+        if rate is not None or burstiness != 1.0:
+            raise ValueError("a trace's requests carry their own send times: drop --rate and --burstiness "
+                             "(--time-scale stretches them)")
+        return
     if schedule is Schedule.burst:
         if rate is not None:
             raise ValueError("a burst sends everything at t=0: --rate needs --schedule poisson, gamma or constant")
@@ -50,6 +57,8 @@ def arrival_offsets(schedule: Schedule, n: int, rate: float | None = None, burst
     if n < 0:
         raise ValueError("the number of requests must be non-negative")
     check(schedule, rate, burstiness)
+    if schedule is Schedule.trace:
+        raise ValueError("a trace's send times come with its requests, not from a schedule")
     if schedule is Schedule.burst or n == 0:
         return [0.0] * n
     if schedule is Schedule.constant:

@@ -23,6 +23,8 @@ from loadtest.client import Target
 from loadtest.metrics import RequestRecord
 from loadtest.runner import RunConfig, TargetResult, run_target
 from loadtest.schedule import Schedule
+from loadtest.trace import MOONCAKE_BLOCK_SIZE, read_trace, trace_specs
+from loadtest.trace import describe as describe_trace
 from loadtest.workload import (
     LocalCounter,
     PromptCounter,
@@ -55,12 +57,29 @@ class Workload:
     turns: int = 1
     system_prompt_len: int = 0
     question_len: int = 0
+    trace: Path | None = None  # a trace to replay (loadtest/trace.py), at its own times x ``time_scale``
+    trace_block_size: int = MOONCAKE_BLOCK_SIZE
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.trace is not None:
+            self._trace = read_trace(self.trace, self.trace_block_size)
+            self.requests = len(self._trace)
 
     @property
     def conversational(self) -> bool:
         return self.users > 0
 
+    @property
+    def exact_lengths(self) -> bool:
+        """Whether prompts are fitted to planned lengths (else only counted: a dataset's or a trace's texts)."""
+        if self.trace is not None:
+            return self._trace[0].prompt is None
+        return self.dataset is None
+
     def build(self, tokenizer, seed: int) -> list[RequestSpec]:
+        if self.trace is not None:
+            return trace_specs(self._trace, tokenizer, self.trace_block_size, seed, self.time_scale)
         if self.conversational:
             output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
             return conversations(tokenizer, self.users, self.turns, self.system_prompt_len, self.question_len,
@@ -80,12 +99,18 @@ class Workload:
         if self.conversational:
             return synthetic(tokenizer, n, max(1, self.system_prompt_len + self.question_len),
                              measured[0].max_tokens, seed)
+        if self.trace is not None:
+            lengths = sorted(s.prompt_tokens for s in measured)
+            return synthetic(tokenizer, n, max(1, lengths[len(lengths) // 2]),
+                             int(statistics.median(s.max_tokens for s in measured)), seed)
         if self.dataset is None:
             return synthetic(tokenizer, n, self.input_len, self.output_len, seed)
         length = max(1, int(statistics.median(s.prompt_tokens for s in measured)))
         return synthetic(tokenizer, n, length, int(statistics.median(s.max_tokens for s in measured)), seed)
 
     def describe(self) -> str:
+        if self.trace is not None:
+            return describe_trace(self.trace, self._trace, self.trace_block_size, self.time_scale)
         if self.conversational:
             return (f"multi-turn users={self.users} turns={self.turns} system={self.system_prompt_len} "
                     f"question={self.question_len} out={_text(self.output_len)}")
@@ -122,7 +147,7 @@ async def run_session(session: Session, progress: Progress | None = None,
                 seed = prompt_seed(base_seed, i, j)
                 specs = session.workload.build(tokenizer, seed)
                 if not session.workload.conversational:  # a turn's length is its history's: the server counts it
-                    specs = await fit(specs, counter, exact=session.workload.dataset is None)
+                    specs = await fit(specs, counter, exact=session.workload.exact_lengths)
                 warm = session.workload.warmup(tokenizer, prompt_seed(base_seed, i, j, 1), session.warmup, specs)
                 cfg = replace(cfg, seed=seed)
                 on_done = progress(f"{target.label}{point_desc(cfg)}", len(specs)) if progress else None
@@ -184,7 +209,7 @@ def prompt_seed(base: int, target: int, point: int, purpose: int = 0) -> int:
 
 def point_desc(cfg: RunConfig) -> str:
     desc = f" schedule={cfg.schedule.value}"
-    if cfg.schedule is not Schedule.burst:
+    if cfg.rate is not None:
         desc += f" rate={cfg.rate:g}"
     if cfg.schedule is Schedule.gamma:
         desc += f" burstiness={cfg.burstiness:g}"
@@ -204,6 +229,8 @@ def workload_key(summary: dict, cfg: RunConfig) -> str:
 
 
 def _prompts_note(session: Session) -> str:
+    if session.workload.trace is not None and not session.workload.exact_lengths:
+        return "the trace's, as given (a prefix cache may serve repeats)"
     if session.workload.dataset is not None:  # a dataset's prompts are what they are: only their order changes
         return "the dataset's, shuffled per target and point (a prefix cache may serve repeats)"
     fresh = "reproducible from --seed" if session.seed is not None else "fresh for this run"

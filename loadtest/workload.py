@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +36,8 @@ class RequestSpec:
     conversation: int | None = None
     system: str | None = None
     messages: list[dict] | None = None  # the chat messages to send, where built
+    at_s: float | None = None  # a replayed trace's send time (seconds from the start)
+    session: int | None = None  # a replayed trace's session: sent after its previous request was answered
 
 
 def load_tokenizer(name_or_path: str | Path | None) -> TokenizerLike:
@@ -246,9 +248,8 @@ async def fit(specs: list[RequestSpec], counter: PromptCounter, exact: bool = Tr
     async def one(spec: RequestSpec) -> RequestSpec:
         async with gate:
             if exact:
-                return RequestSpec(await fit_prompt(spec.prompt, spec.prompt_tokens, counter), spec.prompt_tokens,
-                                   spec.max_tokens)
-            return RequestSpec(spec.prompt, await counter.count(spec.prompt), spec.max_tokens)
+                return replace(spec, prompt=await fit_prompt(spec.prompt, spec.prompt_tokens, counter))
+            return replace(spec, prompt_tokens=await counter.count(spec.prompt))
 
     return list(await asyncio.gather(*(one(s) for s in specs)))
 

@@ -44,6 +44,10 @@ def _usage_error(args: list[str], *words: str) -> str:
     (TARGET + ["--schedule", "poisson", "--rate", "2", "--sweep-rate", "1,2"], ["drop --rate"]),
     (TARGET + ["--concurrency", "2", "--sweep-concurrency", "1,2"], ["drop --concurrency"]),
     (TARGET + ["--duration", "5"], ["--duration"]),
+    (TARGET[:4] + ["--trace", __file__, "--schedule", "poisson", "--rate", "5"], ["--schedule", "--rate", "--trace"]),
+    (TARGET + ["--trace", __file__], ["--requests", "--trace"]),
+    (TARGET + ["--time-scale", "0.5"], ["--time-scale", "--trace"]),
+    (TARGET[:4] + ["--trace", __file__], ["--trace", "line 1"]),  # not a trace: the bad line is named
 ])
 def test_bad_options_are_usage_errors(args, words):
     _usage_error(args, *words)
