@@ -19,9 +19,10 @@ from backends.base import BackendError
 from loadtest import report, store, sysmon
 from loadtest.client import RequestOptions, Target
 from loadtest.extras import MissingExtraError, require
+from loadtest.recommend import Recommendation, describe_settings, describe_slos, recommend, select
 from loadtest.runner import RunConfig, TargetResult, result_to_json
 from loadtest.schedule import Schedule, check
-from loadtest.session import Session, Workload, run_session, workload_key
+from loadtest.session import CapacitySearch, Session, Workload, capacity_key, run_session, workload_key
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
@@ -107,6 +108,16 @@ def _unused(ctx: typer.Context) -> str | None:
             return f"{', '.join(given)}: a --trace sets its own requests, lengths and times (--time-scale stretches them)"
     elif _given(ctx, "time_scale") or _given(ctx, "trace_block_size") or p["schedule"] is Schedule.trace:
         return "--time-scale, --trace-block-size and --schedule trace replay a --trace: add one"
+    if p["sweep"] or p["capacity"]:
+        if p["sweep"] and p["capacity"]:
+            return "--sweep and --capacity each choose the rates: give one"
+        if given := [f"--{n.replace('_', '-')}" for n in ("rate", "concurrency", "sweep_rate", "sweep_concurrency",
+                                                          "users", "trace", "preset") if _given(ctx, n)]:
+            return f"{', '.join(given)}: --sweep and --capacity choose the rates of independent requests themselves"
+        if p["capacity"] and not p["goodput"]:
+            return "--capacity searches the highest rate meeting an SLO: add --goodput ttft:MS (or tpot:MS, e2el:MS)"
+    if not p["capacity"] and (_given(ctx, "attainment") or _given(ctx, "precision")):
+        return "--attainment and --precision shape a --capacity search: add --capacity"
     if p["dataset"] is not None and (_given(ctx, "input_len") or p["prefix_len"]):
         return "--input-len and --prefix-len shape synthetic prompts, not a --dataset's"
     if _given(ctx, "num_prefixes") and not p["prefix_len"]:
@@ -175,6 +186,14 @@ def run(
     concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight.")] = None,
     sweep_concurrency: Annotated[str | None, typer.Option(metavar="N,N,...", help="Concurrencies to sweep.")] = None,
     sweep_rate: Annotated[str | None, typer.Option(metavar="R,R,...", help="Rates to sweep (poisson unless --schedule).")] = None,
+    sweep: Annotated[int, typer.Option(min=0, metavar="N", help="guidellm's sweep: synchronous, throughput, then N "
+                                       "constant rates evenly between them.")] = 0,
+    capacity: Annotated[bool, typer.Option("--capacity", help="Search the highest rate meeting every --goodput SLO "
+                                           "(see --attainment, --precision).")] = False,
+    attainment: Annotated[float, typer.Option(min=0.01, max=1.0, metavar="SHARE", help="--capacity: the share of "
+                                              "requests that must meet every SLO.")] = 0.9,
+    precision: Annotated[float, typer.Option(min=0.001, max=0.5, metavar="REL", help="--capacity: stop when the "
+                                             "first failing rate is within this of the answer.")] = 0.05,
     duration: Annotated[float | None, typer.Option(min=0.001, metavar="S", help="Stop sending after this many seconds.")] = None,
     warmup: Annotated[int, typer.Option(min=0, metavar="N",
                                         help="Untimed requests (other prompts, same shape) before each measurement.")] = 4,
@@ -205,6 +224,7 @@ def run(
     except MissingExtraError as exc:
         console.print(f"error: {exc}", style="red", markup=False, soft_wrap=True)  # [loadtest] is no markup
         raise typer.Exit(2) from None
+    _store(db).close()  # a --db that is no results store is refused before the run, not after it
     targets = _targets(url, model or [], hardware, target or [], api_key, tokenizer or [])
     if unused := _unused(ctx):
         raise typer.BadParameter(unused, param_hint="options")
@@ -226,15 +246,17 @@ def run(
         raise typer.BadParameter(str(exc), param_hint="--trace") from None
     if ignore_eos is None:
         ignore_eos = dataset is None  # as vLLM: forced for random prompts only
-    try:
-        check(schedule, rate, burstiness)
+    try:  # a sweep or search sets the rates (constant, or this poisson or gamma schedule)
+        check(schedule, 1.0 if (sweep or capacity) and schedule is not Schedule.burst else rate, burstiness)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--schedule / --rate / --burstiness") from None
     base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency, duration_s=duration,
                      think_time_s=think_time,
                      slos_ms=_slos(goodput or []), workers=workers, server_pid=server_pid,
                      request=RequestOptions(endpoint.value, temperature, ignore_eos, timeout))
-    session = Session(targets, workload, _sweep_points(base, sweep_concurrency, sweep_rate), warmup, seed)
+    search = CapacitySearch(base.slos_ms, attainment, precision) if capacity else None
+    session = Session(targets, workload, _sweep_points(base, sweep_concurrency, sweep_rate), warmup, seed, sweep,
+                      search)
     try:
         results = _run(session)
     except (ValueError, BackendError) as exc:  # a workload the targets cannot take (lengths, templates, files)
@@ -300,13 +322,47 @@ def _save(results: list[TargetResult], out: Path, db: Path | None, plots: bool) 
         for w in m.warnings:
             console.print(f"[yellow]warning ({m.name}): {w}")
     report.console_table([r.summary for r in results], console)
-    report.write_files(folder, results, measured, plots)
     path = db or store.default_db()
     with store.connect(path) as conn:
-        for r in results:
-            store.save(conn, run_id, workload_key(r.summary, r.config), r.summary, result_to_json(r),
-                       [rec.to_json() for rec in r.records])
+        ids = [store.save(conn, run_id, workload_key(r.summary, r.config), r.summary, result_to_json(r),
+                          [rec.to_json() for rec in r.records]) for r in results]
+        for search in {id(r.capacity): r.capacity for r in results if r.capacity is not None}.values():
+            probes = [(i, r) for i, r in zip(ids, results) if r.capacity is search]
+            first = probes[0][1]
+            store.save_capacity(conn, run_id, capacity_key(first.summary, search),
+                                first.summary, _deployments(first), search.to_json(), [i for i, _ in probes])
+        recommendations = recommend([row for row in store.capacities(conn) if row["run_group"] == run_id])
+    if recommendations:
+        _print_recommendations(recommendations, f"capacity at SLO, run {run_id}")
+    report.write_files(folder, results, measured, plots, recommendations)
     console.print(f"results: {folder}/ (report.html, summary.json, vllm/*.json); stored as run {run_id} in {path}")
+
+
+def _deployments(result: TargetResult) -> list[dict]:
+    """The target model's deployments as its server reports them (burstgate's GET /info), for the recommendation."""
+    info = result.server_info or {}
+    for group in info.get("models", []):
+        if group.get("name") == result.target.model:
+            return [{"kind": d.get("kind"), "settings": d.get("settings", {})} for d in group.get("deployments", [])]
+    return []
+
+
+def _print_recommendations(recommendations: list[Recommendation], title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("hardware", "model", "workload", "SLO", "best (req/s, limited by)", "runner-up (req/s)", "margin",
+                "runs", "missing"):
+        table.add_column(col)
+    for r in recommendations:
+        up = r.runner_up
+        table.add_row(r.hardware, r.model, r.workload, describe_slos(r.slos),
+                      f"{r.best.label} [{describe_settings(r.best.settings)}] {r.best.rate:.2f} ({r.best.limited_by})",
+                      f"{up.label} {up.rate:.2f}" if up else "- (no other target measured)",
+                      f"{r.margin:+.0%}" if r.margin is not None else "-",
+                      ", ".join(str(i) for i in r.best.run_ids + (up.run_ids if up else [])),
+                      ", ".join(r.missing) or "-")
+    console.print(table)
 
 
 @app.command("report")
@@ -365,6 +421,34 @@ def leaderboard(
     console.print(table)
 
 
+@app.command("recommend")
+def recommend_cmd(
+    run: Annotated[list[str] | None, typer.Option(metavar="RUN_ID", help="Rank only these runs' capacity searches "
+                                                  "(refused when their workloads or SLOs differ); repeatable.")] = None,
+    db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
+                                            help="SQLite results store (default: the user's data dir).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Per (server hardware, model, workload, SLO): the target with the highest capacity at the SLO (from runs with
+    --capacity), the runner-up and the margin, with their run ids; targets measured only under other workloads or
+    SLOs are listed as missing."""
+    with _store(db) as conn:
+        rows = store.capacities(conn)
+    if not rows:
+        raise typer.BadParameter("the store holds no capacity searches: run `loadtest run --capacity --goodput ...` "
+                                 "first", param_hint="--db")
+    if run:
+        try:
+            rows = select(rows, run)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--run") from None
+    recommendations = recommend(rows)
+    if json_out:
+        print(json.dumps([r.to_json() for r in recommendations], indent=2))
+    else:
+        _print_recommendations(recommendations, "burstgate recommendation: capacity at SLO")
+
+
 def _store(db: Path | None):
     try:
         return store.connect(db)
@@ -379,10 +463,13 @@ def mock_server(
     model: Annotated[str, typer.Option(metavar="NAME", help="Model name it answers to.")] = "mock",
     ttft_ms: Annotated[float, typer.Option(min=0, metavar="MS", help="Delay before the first token.")] = 0.0,
     itl_ms: Annotated[float, typer.Option(min=0, metavar="MS", help="Delay before every later token.")] = 0.0,
+    max_concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Serve at most N requests at "
+                                                        "once, queueing the rest (a known capacity).")] = None,
 ) -> None:
     """An instant OpenAI-compatible server, to measure the tester's or a gateway's own overhead."""
     import uvicorn
 
     from loadtest.mock_server import create_mock_app
 
-    uvicorn.run(create_mock_app(model, ttft_ms / 1000, itl_ms / 1000), host=host, port=port, log_level="warning")
+    uvicorn.run(create_mock_app(model, ttft_ms / 1000, itl_ms / 1000, max_concurrency=max_concurrency), host=host,
+                port=port, log_level="warning")

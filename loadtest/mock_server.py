@@ -9,6 +9,7 @@ prompts through its chat template, completion prompts with its special tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -21,12 +22,16 @@ from starlette.routing import Route
 TOKEN = " tok"
 
 
-def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0, tokenizer=None) -> Starlette:
+def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0, tokenizer=None,
+                    max_concurrency: int | None = None) -> Starlette:
     """``ttft_s`` delays the first token and ``itl_s`` every later one (both 0: instant); ``tokenizer``
-    (default: the embedded SmolLM2's) counts prompts."""
+    (default: the embedded SmolLM2's) counts prompts. ``max_concurrency`` serves that many requests at once
+    and queues the rest, so the server has a known capacity: ``max_concurrency / (ttft_s + (n - 1) * itl_s)``
+    requests/s for outputs of n tokens."""
     from loadtest.workload import load_tokenizer
 
     tokenizer = tokenizer or load_tokenizer(None)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
     def count(body: dict, chat: bool) -> int:
         if chat:
@@ -53,8 +58,9 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
         rid, created = f"mock-{uuid.uuid4().hex[:12]}", int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
-            if ttft_s or itl_s:
-                await asyncio.sleep(ttft_s + itl_s * max(n - 1, 0))
+            async with slots:
+                if ttft_s or itl_s:
+                    await asyncio.sleep(ttft_s + itl_s * max(n - 1, 0))
             choice = ({"index": 0, "message": {"role": "assistant", "content": TOKEN * n}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": TOKEN * n, "finish_reason": "length"})
             return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
@@ -69,13 +75,14 @@ def create_mock_app(model: str = "mock", ttft_s: float = 0.0, itl_s: float = 0.0
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         async def stream():
-            for i in range(n):
-                delay = ttft_s if i == 0 else itl_s
-                if delay:
-                    await asyncio.sleep(delay)
-                reason = "length" if i == n - 1 else None
-                yield event([{"index": 0, "delta": {"content": TOKEN}, "finish_reason": reason} if chat
-                             else {"index": 0, "text": TOKEN, "finish_reason": reason}])
+            async with slots:
+                for i in range(n):
+                    delay = ttft_s if i == 0 else itl_s
+                    if delay:
+                        await asyncio.sleep(delay)
+                    reason = "length" if i == n - 1 else None
+                    yield event([{"index": 0, "delta": {"content": TOKEN}, "finish_reason": reason} if chat
+                                 else {"index": 0, "text": TOKEN, "finish_reason": reason}])
             if include_usage:
                 yield event([], with_usage=True)
             yield b"data: [DONE]\n\n"

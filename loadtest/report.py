@@ -17,6 +17,7 @@ from rich.table import Table
 
 from loadtest.extras import require
 from loadtest.metrics import RequestRecord
+from loadtest.recommend import Recommendation, describe_settings, describe_slos
 from loadtest.runner import TargetResult, result_to_json
 from loadtest.vllm_result import file_name, vllm_result
 
@@ -40,19 +41,20 @@ class Measured:
     records: list[RequestRecord]
     samples: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    capacity: dict | None = None  # the capacity search this point was a probe of
 
 
 def from_result(result: TargetResult) -> Measured:
     s = result.summary
     return Measured(s["label"] + s["point"], s["label"], s, result.records, [x.__dict__ for x in result.samples],
-                    result.warnings)
+                    result.warnings, result.capacity.to_json() if result.capacity else None)
 
 
 def from_stored(row: dict) -> Measured:
     summary = row["summary"]
     return Measured(summary["label"] + summary["point"], summary["label"], summary,
                     [RequestRecord.from_json(r) for r in row["records"]], row["details"].get("samples", []),
-                    row["details"].get("warnings", []))
+                    row["details"].get("warnings", []), row["details"].get("capacity"))
 
 
 # ------------------------------------------------------------------------------------------ console
@@ -96,7 +98,8 @@ def _rows(summaries: list[dict]) -> list[tuple]:
 
 
 # ------------------------------------------------------------------------------------------- files
-def write_files(folder: Path, results: list[TargetResult], measured: list[Measured], plots: bool = True) -> None:
+def write_files(folder: Path, results: list[TargetResult], measured: list[Measured], plots: bool = True,
+                recommendations: list[Recommendation] = ()) -> None:
     """The run folder's files: summary.json (a list, one object per measurement), summary.csv, vllm/*.json
     (vLLM's result schema), requests-<i>.jsonl, details-<i>.json, and with ``plots`` PNGs and report.html."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -109,7 +112,7 @@ def write_files(folder: Path, results: list[TargetResult], measured: list[Measur
                 f.write(json.dumps({"target": m.name, **rec.to_json()}) + "\n")
         (folder / f"details-{i}.json").write_text(json.dumps(result_to_json(r), indent=2))
     if plots:
-        write_report(folder, measured)
+        write_report(folder, measured, recommendations=recommendations)
 
 
 def write_summaries(folder: Path, summaries: list[dict]) -> None:
@@ -120,7 +123,8 @@ def write_summaries(folder: Path, summaries: list[dict]) -> None:
         writer.writerows(summaries)
 
 
-def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test") -> Path:
+def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test",
+                 recommendations: list[Recommendation] = ()) -> Path:
     """Every plot as PNG, and report.html holding the same plots inlined with the numbers and settings."""
     folder.mkdir(parents=True, exist_ok=True)
     figures = plots(measured)
@@ -136,7 +140,7 @@ def write_report(folder: Path, measured: list[Measured], title: str = "burstgate
     for fig in figures.values():
         plt.close(fig)
     path = folder / "report.html"
-    path.write_text(_html(title, measured, images))
+    path.write_text(_html(title, measured, images, recommendations))
     return path
 
 
@@ -151,7 +155,46 @@ def plots(measured: list[Measured]) -> dict:
         figs["sweep"] = _sweep(measured)
     if any(m.samples for m in measured):
         figs["resources"] = _resources(measured)
+    if any(m.capacity for m in measured):
+        figs["capacity"] = _capacity(measured)
     return figs
+
+
+def _capacity(measured):
+    """Per target, each probe's request rate against its p99 TTFT and the share of requests meeting the SLOs."""
+    import matplotlib.pyplot as plt
+
+    fig, (ttft_ax, share_ax) = plt.subplots(1, 2, figsize=(12, 4))
+    for target in dict.fromkeys(m.target for m in measured if m.capacity):
+        rows = _probe_rows(measured, target)
+        curve = sorted((r for r in rows if r["role"] != "throughput"), key=lambda row: row["rate"])
+        burst = [r for r in rows if r["role"] == "throughput"]  # all at once: no offered rate, off the curve
+        found = next(m.capacity for m in measured if m.target == target and m.capacity)
+        for ax, key, scale in ((ttft_ax, "p99_ttft_ms", 1), (share_ax, "attained", 100)):
+            line, = ax.plot([r["rate"] for r in curve], [r[key] * scale for r in curve], "o-", label=target)
+            ax.plot([r["rate"] for r in burst], [r[key] * scale for r in burst], "x", color=line.get_color(),
+                    label=f"{target}: all at once")
+            ax.axvline(found["rate"], linestyle=":", color=line.get_color())
+    ttft_ax.set(xlabel="requests/s (offered; x: all at once, completed)", ylabel="p99 TTFT (ms)")
+    share_ax.set(xlabel="requests/s", ylabel="requests meeting every SLO (%)", ylim=(0, 105))
+    for ax in (ttft_ax, share_ax):
+        ax.legend(fontsize=7)
+        ax.ticklabel_format(useOffset=False, style="plain", axis="y")
+    fig.suptitle("capacity at SLO: each probe of the search (dotted: the capacity found)")
+    return fig
+
+
+def _probe_rows(measured: list[Measured], target: str) -> list[dict]:
+    """The curve behind one target's capacity: each probe's rate, latency percentiles and SLO attainment."""
+    runs = [m for m in measured if m.target == target and m.capacity]
+    rows = []
+    for probe, m in zip(runs[0].capacity["probes"], runs):
+        s = m.summary
+        rows.append({"role": probe["role"], "rate": probe["rate"] or probe["request_throughput"],
+                     "attained": probe["attained"], "passed": probe["passed"],
+                     **{f"{p}_{k}_ms": s[f"{p}_{k}_ms"] for k in ("ttft", "tpot", "itl") for p in ("median", "p99")},
+                     "request_goodput": s.get("request_goodput")})
+    return rows
 
 
 def _ms(m: Measured, key: str) -> list[float]:
@@ -301,7 +344,8 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;m
 .warn{color:#a15c00}"""
 
 
-def _html(title: str, measured: list[Measured], images: dict[str, str]) -> str:
+def _html(title: str, measured: list[Measured], images: dict[str, str],
+          recommendations: list[Recommendation] = ()) -> str:
     e = html.escape
     summaries = [m.summary for m in measured]
     head = "".join(f"<th>{e(m.name)}</th>" for m in measured)
@@ -313,10 +357,46 @@ def _html(title: str, measured: list[Measured], images: dict[str, str]) -> str:
                 ("prompt lengths counted by", lambda s: s.get("prompt_lengths_counted_by", "")),
                 ("date", lambda s: s.get("date", ""))]
     rows = "".join(f"<tr><td>{e(name)}</td>{''.join(f'<td>{e(str(fmt(s)))}</td>' for s in summaries)}</tr>"
-                   for name, fmt in settings + _rows(summaries))
+                   for name, fmt in settings + [r for r in _rows(summaries) if r[0] != "hardware"])
     warnings = "".join(f"<li class=warn>{e(m.name)}: {e(w)}</li>" for m in measured for w in m.warnings)
     figures = "".join(f"<h2>{e(name.replace('_', ' '))}</h2><img alt='{e(name)}' src='data:image/png;base64,{data}'>"
                       for name, data in images.items())
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
-            f"</head><body><h1>{e(title)}</h1><table><tr><th>metric</th>{head}</tr>{rows}</table>"
+            f"</head><body><h1>{e(title)}</h1>{_recommendation_html(recommendations)}{_capacity_html(measured)}"
+            f"<h2>measurements</h2><table><tr><th>metric</th>{head}</tr>{rows}</table>"
             f"{'<h2>warnings</h2><ul>' + warnings + '</ul>' if warnings else ''}{figures}</body></html>")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _recommendation_html(recommendations: list[Recommendation]) -> str:
+    """The run's answer first: per hardware, model, workload and SLO, which target carries the most."""
+    if not recommendations:
+        return ""
+    rows = [[r.hardware, r.model, r.workload, describe_slos(r.slos),
+             f"{r.best.label} [{describe_settings(r.best.settings)}]", f"{r.best.rate:.2f} ({r.best.limited_by})",
+             f"{r.runner_up.label} {r.runner_up.rate:.2f}" if r.runner_up else "-",
+             f"{r.margin:+.0%}" if r.margin is not None else "-", ", ".join(r.missing) or "-"] for r in recommendations]
+    return "<h2>recommendation</h2>" + _table(["hardware", "model", "workload", "SLO", "best", "capacity (req/s)",
+                                               "runner-up (req/s)", "margin", "missing"], rows)
+
+
+def _capacity_html(measured: list[Measured]) -> str:
+    """Per target: its capacity at the SLO and the curve behind it, probe by probe."""
+    out = []
+    for target in dict.fromkeys(m.target for m in measured if m.capacity):
+        found = next(m.capacity for m in measured if m.target == target and m.capacity)
+        rows = [[row["role"], f"{row['rate']:.2f}", f"{row['attained']:.0%}", "yes" if row["passed"] else "no",
+                 *(f"{row[f'{p}_{k}_ms']:.1f}" for k in ("ttft", "tpot", "itl") for p in ("median", "p99")),
+                 f"{row['request_goodput'] or 0:.2f}"] for row in _probe_rows(measured, target)]
+        slos = describe_slos(found)
+        out.append(f"<h2>capacity of {html.escape(target)}: {found['rate']:.2f} requests/s at {html.escape(slos)} "
+                   f"(limited by {html.escape(found['limited_by'])}; precision {found['precision']:.0%})</h2>")
+        out.append(_table(["probe", "requests/s", "met SLO", "passed", "TTFT p50", "TTFT p99", "TPOT p50",
+                           "TPOT p99", "ITL p50", "ITL p99", "goodput (req/s)"], rows))
+    return "".join(out)

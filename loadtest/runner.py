@@ -14,6 +14,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -23,6 +24,9 @@ from loadtest.metrics import RequestRecord, count_missing_output_tokens, server_
 from loadtest.schedule import Schedule, arrival_offsets, offered_rate, used_burstiness
 from loadtest.sysmon import Sampler, client_hardware, find_server_process, scrape_metrics
 from loadtest.workload import RequestSpec
+
+if TYPE_CHECKING:
+    from loadtest.capacity import Capacity
 
 LAG_WARNING_S = 0.010  # p99 send lag above this means the client, not the server, set the pace
 START_LEAD_S = 0.2  # time to create every task before the first send is due
@@ -58,6 +62,7 @@ class TargetResult:
     client_hardware: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     server_info: dict | None = None  # a burstgate server's GET /info
+    capacity: Capacity | None = None  # the capacity search this point was a probe of (loadtest/capacity.py)
 
 
 async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
@@ -308,6 +313,6 @@ def _worker(target, specs, offsets, cfg, indices, events, start_at, go) -> None:
 def result_to_json(result: TargetResult) -> dict:
     """Everything about one run but its per-request records."""
     return {"summary": result.summary, "server_info": result.server_info, "client_hardware": result.client_hardware,
-            "warnings": result.warnings,
+            "warnings": result.warnings, "capacity": result.capacity.to_json() if result.capacity else None,
             "samples": [asdict(s) for s in result.samples], "metrics_before": result.metrics_before,
             "metrics_after": result.metrics_after}

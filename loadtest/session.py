@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from loadtest.capacity import Capacity, search, sweep
 from loadtest.client import Target
 from loadtest.metrics import RequestRecord
 from loadtest.runner import RunConfig, TargetResult, run_target
@@ -123,48 +124,91 @@ class Workload:
 
 
 @dataclass
+class CapacitySearch:
+    """Search each target for its capacity at these SLOs (loadtest/capacity.py)."""
+
+    slos_ms: dict[str, float]
+    attainment: float = 0.9
+    precision: float = 0.05
+
+
+@dataclass
 class Session:
+    """What one ``loadtest run`` measures: every target at every point, or, from ``points[0]``, guidellm's sweep
+    of ``sweep`` constant rates, or a capacity search."""
+
     targets: list[Target]
     workload: Workload
     points: list[RunConfig]
     warmup: int = 4  # requests per target and point, before the timed window
     seed: int | None = None  # None: fresh prompts every run
+    sweep: int = 0
+    capacity: CapacitySearch | None = None
 
 
 async def run_session(session: Session, progress: Progress | None = None,
                       warn: Callable[[str], None] = lambda _: None) -> list[TargetResult]:
-    """Measure every target at every point, one after another."""
+    """Measure every target, one after another; a capacity search's results carry its ``Capacity``."""
     base_seed = session.seed if session.seed is not None else secrets.randbits(32)
     tokenizers = {path: load_tokenizer(path) for path in {t.tokenizer for t in session.targets}}
     results = []
     for i, target in enumerate(session.targets):
-        tokenizer = tokenizers[target.tokenizer]
-        endpoint = session.points[0].request.endpoint
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-            hardware, source, info = await server_hardware(http, target, warn)
-            counter = await prompt_counter(http, target, endpoint == "chat", tokenizer)
-            for j, cfg in enumerate(session.points):
-                seed = prompt_seed(base_seed, i, j)
-                specs = session.workload.build(tokenizer, seed)
-                if not session.workload.conversational:  # a turn's length is its history's: the server counts it
-                    specs = await fit(specs, counter, exact=session.workload.exact_lengths)
-                warm = session.workload.warmup(tokenizer, prompt_seed(base_seed, i, j, 1), session.warmup, specs)
-                cfg = replace(cfg, seed=seed)
-                on_done = progress(f"{target.label}{point_desc(cfg)}", len(specs)) if progress else None
-                result = await run_target(target, specs, cfg, on_done, warm,
-                                          lambda text, tokenizer=tokenizer: len(tokenizer.encode(text,
-                                                                                              add_special_tokens=False)))
-                result.summary.update(
-                    hardware=hardware, hardware_source=source, date=_now(),
-                    tokenizer_id=str(target.tokenizer or "SmolLM2-135M-Instruct (embedded)"),
-                    prompt_lengths_counted_by=counter.name, endpoint=endpoint,
-                    backend="openai-chat" if endpoint == "chat" else "openai",
-                    ignore_eos=cfg.request.ignore_eos, temperature=cfg.request.temperature,
-                    workload=session.workload.describe(), point=point_desc(cfg), prompt_seed=seed,
-                    prompts=_prompts_note(session))
-                result.server_info = info
-                results.append(result)
+        results += await _measure_target(session, i, target, tokenizers[target.tokenizer], base_seed, progress, warn)
     return results
+
+
+async def _measure_target(session: Session, index: int, target: Target, tokenizer, base_seed: int,
+                          progress: Progress | None, warn: Callable[[str], None]) -> list[TargetResult]:
+    """One target at every point the session asks for, or as its sweep or capacity search goes."""
+    base = session.points[0]
+    measured: list[TargetResult] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        hardware, source, info = await server_hardware(http, target, warn)
+        counter = await prompt_counter(http, target, base.request.endpoint == "chat", tokenizer)
+
+        async def measure(cfg: RunConfig, role: str = "") -> TargetResult:
+            point = len(measured)
+            result = await _measure(session, target, tokenizer, counter,
+                                    replace(cfg, seed=prompt_seed(base_seed, index, point)),
+                                    prompt_seed(base_seed, index, point, 1), role, progress)
+            result.summary.update(hardware=hardware, hardware_source=source)
+            result.server_info = info
+            measured.append(result)
+            return result
+
+        if session.capacity is not None:
+            c = session.capacity
+            _, found = await search(measure, base, c.slos_ms, c.attainment, c.precision)
+            for result in measured:
+                result.capacity = found
+        elif session.sweep:
+            await sweep(measure, base, session.sweep)
+        else:
+            for cfg in session.points:
+                await measure(cfg)
+    return measured
+
+
+async def _measure(session: Session, target: Target, tokenizer, counter: PromptCounter, cfg: RunConfig,
+                   warmup_seed: int, role: str, progress: Progress | None) -> TargetResult:
+    """One point: fresh prompts fitted to the target's counts, a warm-up, the timed run, its settings noted."""
+    specs = session.workload.build(tokenizer, cfg.seed)
+    if not session.workload.conversational:  # a turn's length is its history's: the server counts it
+        specs = await fit(specs, counter, exact=session.workload.exact_lengths)
+    warm = session.workload.warmup(tokenizer, warmup_seed, session.warmup, specs)
+    point = point_desc(cfg) + (f" ({role})" if role else "")
+    on_done = progress(f"{target.label}{point}", len(specs)) if progress else None
+    result = await run_target(target, specs, cfg, on_done, warm,
+                              lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    endpoint = cfg.request.endpoint
+    result.summary.update(
+        date=_now(), tokenizer_id=str(target.tokenizer or "SmolLM2-135M-Instruct (embedded)"),
+        prompt_lengths_counted_by=counter.name, endpoint=endpoint,
+        backend="openai-chat" if endpoint == "chat" else "openai",
+        ignore_eos=cfg.request.ignore_eos, temperature=cfg.request.temperature,
+        workload=session.workload.describe(), point=point, point_role=role, prompt_seed=cfg.seed,
+        prompts=_prompts_note(session))
+    return result
 
 
 async def server_hardware(http: aiohttp.ClientSession, target: Target,
@@ -222,10 +266,20 @@ def point_desc(cfg: RunConfig) -> str:
 
 def workload_key(summary: dict, cfg: RunConfig) -> str:
     """What the leaderboard compares like with like on: endpoint, shape, output rule, sampling and load."""
+    return _requests_key(summary) + point_desc(cfg)
+
+
+def capacity_key(summary: dict, capacity: Capacity) -> str:
+    """What capacities compare on: the requests' shape and how the probes' requests arrive (not the rates, which
+    the search chose)."""
+    return f"{_requests_key(summary)} arrivals={capacity.arrivals}"
+
+
+def _requests_key(summary: dict) -> str:
     key = f"{summary['endpoint']} {summary['workload']} ignore_eos={summary['ignore_eos']}"
     if summary["temperature"] is not None:
         key += f" temperature={summary['temperature']:g}"
-    return key + point_desc(cfg)
+    return key
 
 
 def _prompts_note(session: Session) -> str:

@@ -29,6 +29,22 @@ CREATE TABLE IF NOT EXISTS runs (
     details TEXT NOT NULL,          -- JSON: server info, client hardware, samples, metrics, warnings
     records TEXT NOT NULL           -- JSON list of per-request records
 );
+CREATE TABLE IF NOT EXISTS capacities (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_group TEXT NOT NULL,
+    created REAL NOT NULL,
+    hardware TEXT NOT NULL,
+    model TEXT NOT NULL,
+    url TEXT NOT NULL,
+    label TEXT NOT NULL,
+    workload TEXT NOT NULL,         -- as runs.workload, less the point: the rates are what the search varied
+    slos TEXT NOT NULL,             -- canonical JSON of the SLOs (ms) and the attainment they were held to
+    rate REAL NOT NULL,             -- requests/s: the capacity at those SLOs
+    limited_by TEXT NOT NULL,       -- slo, throughput or latency floor
+    settings TEXT NOT NULL,         -- JSON: the server's deployments (kind, settings) where it reports them
+    capacity TEXT NOT NULL,         -- JSON: the search (precision, every probe)
+    run_ids TEXT NOT NULL           -- JSON list of runs.id of its probes
+);
 """
 
 
@@ -45,7 +61,11 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path)
     db.row_factory = sqlite3.Row
-    version = db.execute("PRAGMA user_version").fetchone()[0]
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        db.close()
+        raise ValueError(f"{path} is not a results store ({exc})") from None
     has_runs = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'runs'").fetchone() is not None
     if has_runs and version != SCHEMA_VERSION:
         db.close()
@@ -65,6 +85,31 @@ def save(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, d
          summary["failed"], json.dumps(summary), json.dumps(details), json.dumps(records)))
     db.commit()
     return int(cur.lastrowid)
+
+
+def slo_key(slos_ms: dict[str, float], attainment: float) -> str:
+    """One text for one SLO: the same SLOs in any order give the same key."""
+    return json.dumps({"slos_ms": dict(sorted(slos_ms.items())), "attainment": attainment}, sort_keys=True)
+
+
+def save_capacity(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, settings: list[dict],
+                  capacity: dict, run_ids: list[int]) -> int:
+    """One target's capacity search, pointing at the stored runs of its probes."""
+    cur = db.execute(
+        "INSERT INTO capacities (run_group, created, hardware, model, url, label, workload, slos, rate, limited_by, "
+        "settings, capacity, run_ids) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (run_group, time.time(), summary["hardware"], summary["model_id"], summary["url"], summary["label"], workload,
+         slo_key(capacity["slos_ms"], capacity["attainment"]), capacity["rate"], capacity["limited_by"],
+         json.dumps(settings), json.dumps(capacity), json.dumps(run_ids)))
+    db.commit()
+    return int(cur.lastrowid)
+
+
+def capacities(db: sqlite3.Connection) -> list[dict]:
+    """Every stored capacity search, oldest first."""
+    rows = db.execute("SELECT * FROM capacities ORDER BY id").fetchall()
+    return [{**dict(r), "slos": json.loads(r["slos"]), "settings": json.loads(r["settings"]),
+             "capacity": json.loads(r["capacity"]), "run_ids": json.loads(r["run_ids"])} for r in rows]
 
 
 def run_groups(db: sqlite3.Connection) -> list[sqlite3.Row]:

@@ -48,6 +48,12 @@ def _usage_error(args: list[str], *words: str) -> str:
     (TARGET + ["--trace", __file__], ["--requests", "--trace"]),
     (TARGET + ["--time-scale", "0.5"], ["--time-scale", "--trace"]),
     (TARGET[:4] + ["--trace", __file__], ["--trace", "line 1"]),  # not a trace: the bad line is named
+    (TARGET + ["--capacity"], ["--goodput"]),
+    (TARGET + ["--capacity", "--goodput", "ttft:100", "--sweep", "4"], ["--sweep", "--capacity"]),
+    (TARGET + ["--capacity", "--goodput", "ttft:100", "--schedule", "poisson", "--rate", "3"], ["--rate"]),
+    (TARGET + ["--sweep", "4", "--concurrency", "8"], ["--concurrency"]),
+    (TARGET + ["--precision", "0.1"], ["--capacity"]),
+    (["loadtest", "recommend", "--run", "x", "--db", __file__], ["--db"]),
 ])
 def test_bad_options_are_usage_errors(args, words):
     _usage_error(args, *words)
