@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev redis lint peers peers-routers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev system-packages lint peers peers-routers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -26,14 +26,17 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# Tests that share rate limits across replicas start their own redis-server from this binary.
-redis:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+# System binaries the tests start: redis-server (rate limits shared across replicas) and Debian's chromium
+# (the load-test report rendered in a real browser).
+SYSTEM_PACKAGES = redis-server chromium  # each package installs a binary of its name
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi
 
 serve: install
 	$(VENV)/bin/burstgate serve --host $(HOST) --port $(PORT)
 
-test: install-dev redis
+test: install-dev system-packages
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The long soak: 10,000 requests streamed, folded and abandoned against `burstgate serve` with no config;

@@ -126,22 +126,53 @@ def write_summaries(folder: Path, summaries: list[dict]) -> None:
 def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test",
                  recommendations: list[Recommendation] = ()) -> Path:
     """Every plot as PNG, and report.html holding the same plots inlined with the numbers and settings."""
-    folder.mkdir(parents=True, exist_ok=True)
-    figures = plots(measured)
-    images = {}
-    for name, fig in figures.items():
-        buf = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buf, format="png", dpi=100)
-        (folder / f"{name}.png").write_bytes(buf.getvalue())
-        images[name] = base64.b64encode(buf.getvalue()).decode()
     import matplotlib.pyplot as plt
 
-    for fig in figures.values():
+    folder.mkdir(parents=True, exist_ok=True)
+    figures = plots(measured)
+    images, notes = {}, {}
+    for name, fig in figures.items():
+        if not draws_data(fig):  # an empty frame reads as a broken chart: say why there is none
+            notes[name] = EMPTY_NOTES.get(name, "nothing to draw in this run")
+        else:
+            _plain_units(fig)
+            buf = io.BytesIO()
+            fig.tight_layout()
+            fig.savefig(buf, format="png", dpi=100)
+            (folder / f"{name}.png").write_bytes(buf.getvalue())
+            images[name] = base64.b64encode(buf.getvalue()).decode()
         plt.close(fig)
     path = folder / "report.html"
-    path.write_text(_html(title, measured, images, recommendations))
+    path.write_text(_html(title, measured, images, recommendations, notes))
     return path
+
+
+MIN_SAMPLES = 5  # fewer resource samples than this draw no line: two points make a slope nobody can read
+EMPTY_NOTES = {"resources": f"server resources: fewer than {MIN_SAMPLES} samples per measurement (one every "
+                            "0.5 s while a local server runs): the run was too short, or no local server was found",
+               "itl_distribution": "no inter-token latencies: every answer was a single chunk"}
+
+
+def draws_data(fig) -> bool:
+    """Whether any axes of ``fig`` holds data: a line with points, bars or scattered points."""
+    for ax in fig.axes:
+        if any(len(line.get_xdata()) for line in ax.get_lines() if line.get_transform() is ax.transData):  # no axvline
+            return True
+        if ax.patches or any(len(c.get_offsets()) for c in ax.collections):
+            return True
+    return False
+
+
+def _plain_units(fig) -> None:
+    """Axes in plain numbers: no "1e-6+3.264e-1" offsets or scientific notation on linear axes."""
+    from matplotlib.ticker import ScalarFormatter
+
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            formatter = axis.get_major_formatter()
+            if isinstance(formatter, ScalarFormatter):
+                formatter.set_useOffset(False)
+                formatter.set_scientific(False)
 
 
 # ------------------------------------------------------------------------------------------- plots
@@ -323,6 +354,8 @@ def _resources(measured):
     fig, (cpu_ax, mem_ax) = plt.subplots(1, 2, figsize=(12, 4))
     for m in measured:
         ss = m.samples
+        if len(ss) < MIN_SAMPLES:
+            continue
         t = [s["t"] for s in ss]
         if any(s["cpu_percent"] is not None for s in ss):
             cpu_ax.plot(t, [s["cpu_percent"] or 0 for s in ss], label=f"{m.name} CPU %")
@@ -332,7 +365,8 @@ def _resources(measured):
             mem_ax.plot(t, [(s["rss_bytes"] or 0) / 2**30 for s in ss], label=f"{m.name} RSS GiB")
     for ax in (cpu_ax, mem_ax):
         ax.set_xlabel("s")
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
     fig.suptitle("server resources over time")
     return fig
 
@@ -345,7 +379,7 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;m
 
 
 def _html(title: str, measured: list[Measured], images: dict[str, str],
-          recommendations: list[Recommendation] = ()) -> str:
+          recommendations: list[Recommendation] = (), notes: dict[str, str] | None = None) -> str:
     e = html.escape
     summaries = [m.summary for m in measured]
     head = "".join(f"<th>{e(m.name)}</th>" for m in measured)
@@ -361,6 +395,8 @@ def _html(title: str, measured: list[Measured], images: dict[str, str],
     warnings = "".join(f"<li class=warn>{e(m.name)}: {e(w)}</li>" for m in measured for w in m.warnings)
     figures = "".join(f"<h2>{e(name.replace('_', ' '))}</h2><img alt='{e(name)}' src='data:image/png;base64,{data}'>"
                       for name, data in images.items())
+    figures += "".join(f"<h2>{e(name.replace('_', ' '))}</h2><p class=note>{e(text)}</p>"
+                       for name, text in (notes or {}).items())
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
             f"</head><body><h1>{e(title)}</h1>{_recommendation_html(recommendations)}{_capacity_html(measured)}"
             f"<h2>measurements</h2><table><tr><th>metric</th>{head}</tr>{rows}</table>"
