@@ -150,7 +150,13 @@ def write_report(folder: Path, measured: list[Measured], title: str = "burstgate
 MIN_SAMPLES = 5  # fewer resource samples than this draw no line: two points make a slope nobody can read
 EMPTY_NOTES = {"resources": f"server resources: fewer than {MIN_SAMPLES} samples per measurement (one every "
                             "0.5 s while a local server runs): the run was too short, or no local server was found",
-               "itl_distribution": "no inter-token latencies: every answer was a single chunk"}
+               "itl_distribution": "no inter-token latencies: every answer was a single chunk",
+               "memory_vs_concurrency": "no server memory sampled: no local server process was found (give "
+                                        "--server-pid), or every point ran shorter than 5 samples",
+               "cpu_vs_concurrency": "no server CPU sampled: no local server process was found (give --server-pid), "
+                                     "or every point ran shorter than 5 samples",
+               "kv_cache_vs_concurrency": "the server exports no KV-cache usage gauge (vllm:kv_cache_usage_perc, "
+                                          "burstgate:kv_cache_usage_perc), or every point ran shorter than 5 samples"}
 
 
 def draws_data(fig) -> bool:
@@ -188,7 +194,61 @@ def plots(measured: list[Measured]) -> dict:
         figs["resources"] = _resources(measured)
     if any(m.capacity for m in measured):
         figs["capacity"] = _capacity(measured)
+    if len({m.summary.get("max_concurrency") for m in measured if m.summary.get("max_concurrency")}) > 1:
+        figs.update(_against_concurrency(measured))
     return figs
+
+
+# What the seed's figures draw against batch size (the DeepSpeed article's figures 4-6), here against the client's
+# concurrency, its serving counterpart: (name, y label, value of one measurement or None when not measured).
+CONCURRENCY_QUANTITIES = (
+    ("memory", "server memory, peak (GiB: GPU where sampled, else RSS)", lambda m: _peak_memory_gib(m.samples)),
+    ("cpu", "server CPU, mean (% of one core)", lambda m: _mean(m.samples, "cpu_percent")),
+    ("kv_cache", "KV-cache usage, peak (%)", lambda m: _peak(m.samples, "kv_cache_usage", 100)),
+    ("throughput", "output tokens/s", lambda m: m.summary["output_throughput"]),
+    ("latency", "TPOT p50 (ms)", lambda m: m.summary["median_tpot_ms"]),
+)
+
+
+def _against_concurrency(measured: list[Measured]) -> dict:
+    """One figure per quantity, a line per target through its concurrency points (log2 axis)."""
+    figs = {}
+    for name, label, value in CONCURRENCY_QUANTITIES:
+        fig, ax = _wide_axes(f"{label.split(',')[0].split(' (')[0]} against concurrency", "concurrency (requests in "
+                             "flight, the client's limit)", label)
+        for target in dict.fromkeys(m.target for m in measured):
+            points = sorted(((m.summary["max_concurrency"], value(m)) for m in measured
+                             if m.target == target and m.summary.get("max_concurrency")), key=lambda p: p[0])
+            points = [(x, y) for x, y in points if y is not None]
+            if points:
+                ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=target)
+        ax.set_xscale("log", base=2)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+        figs[f"{name}_vs_concurrency"] = fig
+    return figs
+
+
+def _enough(samples: list[dict]) -> bool:
+    return len(samples) >= MIN_SAMPLES
+
+
+def _peak_memory_gib(samples: list[dict]) -> float | None:
+    if not _enough(samples):
+        return None
+    gpu = [sum(s["gpu_memory_used"]) for s in samples if s.get("gpu_memory_used")]
+    rss = [s["rss_bytes"] for s in samples if s.get("rss_bytes")]
+    return max(gpu or rss) / 2**30 if gpu or rss else None
+
+
+def _mean(samples: list[dict], key: str) -> float | None:
+    values = [s[key] for s in samples if s.get(key) is not None]
+    return float(np.mean(values)) if _enough(samples) and values else None
+
+
+def _peak(samples: list[dict], key: str, scale: float) -> float | None:
+    values = [s[key] for s in samples if s.get(key) is not None]
+    return max(values) * scale if _enough(samples) and values else None
 
 
 def _capacity(measured):

@@ -22,7 +22,7 @@ import aiohttp
 from loadtest.client import RequestOptions, Target, new_client, send
 from loadtest.metrics import RequestRecord, count_missing_output_tokens, server_hit_rate, summarize
 from loadtest.schedule import Schedule, arrival_offsets, offered_rate, used_burstiness
-from loadtest.sysmon import Sampler, client_hardware, find_server_process, scrape_metrics
+from loadtest.sysmon import Sampler, client_hardware, find_server_process, kv_cache_usage, scrape_metrics
 from loadtest.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -78,7 +78,9 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         await _warm_up(client, target, warmup, cfg)
         before = await scrape_metrics(client, target.url)
         process = _server_process(target, cfg)
-        sampler = Sampler(process, cfg.sample_interval_s)
+        # the server's KV-cache usage is read while the run goes only from a server that exports it
+        sampler = Sampler(process, cfg.sample_interval_s,
+                          (client, target.url) if kv_cache_usage(before) is not None else None)
         sampler.start()
         _freeze_heap()
         try:

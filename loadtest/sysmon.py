@@ -1,5 +1,5 @@
-"""System sampling during a run: GPU memory/utilisation (NVML), a local server's CPU and RSS (psutil),
-and the target's Prometheus /metrics before and after."""
+"""System sampling during a run: GPU memory/utilisation (NVML), a local server's CPU and RSS (psutil), the
+server's own KV-cache usage from its /metrics while the run goes, and its /metrics before and after."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ class Sample:
     rss_bytes: int | None = None
     gpu_memory_used: list[int] = field(default_factory=list)  # bytes per device
     gpu_util_percent: list[int] = field(default_factory=list)
+    kv_cache_usage: float | None = None  # the server's fraction of KV blocks in use (the fullest engine's)
+
+
+# The servers' KV-cache usage gauges (0..1): vLLM's, then burstgate's.
+KV_USAGE_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "burstgate:kv_cache_usage_perc")
 
 
 def client_hardware() -> dict:
@@ -55,8 +60,9 @@ def find_server_process(pid: int | None = None, port: int | None = None):
 class Sampler:
     """Samples every ``interval_s`` in the background until stopped."""
 
-    def __init__(self, process, interval_s: float = 0.5) -> None:  # a psutil.Process, or None
-        self.process, self.interval_s = process, interval_s
+    def __init__(self, process, interval_s: float = 0.5, metrics: tuple[aiohttp.ClientSession, str] | None = None
+                 ) -> None:  # a psutil.Process, or None; (client, server URL) whose /metrics to read
+        self.process, self.interval_s, self.metrics = process, interval_s, metrics
         self._psutil = require("psutil", SAMPLING) if process is not None else None
         self.samples: list[Sample] = []
         self._nvml = _nvml()
@@ -78,7 +84,10 @@ class Sampler:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.samples.append(self.sample())
+            sample = self.sample()
+            if self.metrics is not None:
+                sample.kv_cache_usage = kv_cache_usage(await scrape_metrics(*self.metrics))
+            self.samples.append(sample)
 
     def sample(self) -> Sample:
         s = Sample(time.perf_counter() - self._t0)
@@ -101,6 +110,15 @@ class Sampler:
 
     def _cpu_percent(self) -> float:
         return sum(p.cpu_percent(None) for p in self._tree())
+
+
+def kv_cache_usage(samples: dict[str, float]) -> float | None:
+    """The fullest engine's KV-cache usage (0..1) from scraped metrics; None when the server exports none."""
+    for name in KV_USAGE_GAUGES:
+        values = [v for k, v in samples.items() if k == name or k.startswith(name + "{")]
+        if values:
+            return max(values)
+    return None
 
 
 async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:

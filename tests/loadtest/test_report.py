@@ -59,3 +59,32 @@ def test_the_html_report_is_one_self_contained_file(tmp_path):
         assert (tmp_path / f"{name}.png").exists() and f"alt='{name}'" in html
     assert html.count("src='data:image/png;base64,") == len(list(tmp_path.glob("*.png")))
     assert "http://one" in html and "a warning" in html and "<link" not in html and "<script" not in html
+
+
+def _at_concurrency(target: str, concurrency: int, rss_gib: float, kv: float | None) -> Measured:
+    m = _measured(target, f" concurrency={concurrency}", 0.01 * concurrency)
+    m.summary["max_concurrency"] = concurrency
+    m.samples = [{"t": 0.5 * i, "cpu_percent": 50.0 * concurrency, "rss_bytes": int(rss_gib * 2**30),
+                  "gpu_memory_used": [], "kv_cache_usage": kv} for i in range(6)]
+    return m
+
+
+def test_a_concurrency_sweep_draws_each_quantity_against_concurrency_one_line_per_target():
+    measured = [_at_concurrency(t, c, 1.0 + c / 8, 0.1 * c if t == "native" else None)
+                for t in ("native", "other") for c in (1, 4, 16)]
+    figs = plots(measured)
+    memory = figs["memory_vs_concurrency"].axes[0].get_lines()
+    assert [line.get_label() for line in memory] == ["native", "other"]
+    assert list(memory[0].get_xdata()) == [1, 4, 16] and list(memory[0].get_ydata()) == [1.125, 1.5, 3.0]
+    assert list(figs["cpu_vs_concurrency"].axes[0].get_lines()[0].get_ydata()) == [50.0, 200.0, 800.0]
+    kv = figs["kv_cache_vs_concurrency"].axes[0].get_lines()  # only the server that exports the gauge
+    assert [line.get_label() for line in kv] == ["native"] and list(kv[0].get_ydata()) == pytest.approx([10, 40, 160])
+
+
+def test_too_few_samples_draw_nothing_and_say_so(tmp_path):
+    measured = [_at_concurrency("native", c, 1.0, 0.5) for c in (1, 2)]
+    for m in measured:
+        m.samples = m.samples[:2]
+    html = write_report(tmp_path, measured).read_text()
+    assert not (tmp_path / "memory_vs_concurrency.png").exists() and not (tmp_path / "resources.png").exists()
+    assert "fewer than 5 samples" in html and (tmp_path / "throughput_vs_concurrency.png").exists()

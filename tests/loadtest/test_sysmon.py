@@ -1,0 +1,38 @@
+"""Sampling during a run: the server's KV-cache usage gauge is read from its /metrics while the run goes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from loadtest.sysmon import Sampler, kv_cache_usage
+from tests.servers import serve_app
+
+
+def test_kv_cache_usage_is_the_fullest_engines_from_vllms_or_burstgates_gauge():
+    assert kv_cache_usage({'vllm:kv_cache_usage_perc{engine="0"}': 0.2,
+                           'vllm:kv_cache_usage_perc{engine="1"}': 0.7}) == 0.7
+    assert kv_cache_usage({"burstgate:kv_cache_usage_perc": 0.3, "other": 1.0}) == 0.3
+    assert kv_cache_usage({"other": 1.0}) is None
+
+
+def test_the_sampler_reads_the_gauge_while_the_run_goes():
+    usage = iter([0.1, 0.4, 0.9] + [0.9] * 100)
+
+    async def metrics(_):
+        return PlainTextResponse(f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {next(usage)}\n")
+
+    async def sample(url: str) -> list:
+        async with aiohttp.ClientSession() as client:
+            sampler = Sampler(None, 0.05, (client, url))
+            sampler.start()
+            await asyncio.sleep(0.4)
+            return await sampler.stop()
+
+    with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
+        samples = asyncio.run(sample(url))
+    assert [s.kv_cache_usage for s in samples[:3]] == [0.1, 0.4, 0.9]
