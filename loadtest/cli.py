@@ -147,8 +147,8 @@ def run(
     hardware: Annotated[str | None, typer.Option(
         metavar="TEXT", help="The --url server's hardware, for the leaderboard (a burstgate server reports its own).")] = None,
     target: Annotated[list[str] | None, typer.Option(
-        metavar="URL#MODEL[@HARDWARE]", help="A target; repeatable. HARDWARE declares the server's, for servers "
-        "without burstgate's GET /info.")] = None,
+        metavar="[LABEL=]URL#MODEL[@HARDWARE]", help="A target; repeatable. LABEL names it in reports (default "
+        "MODEL@URL); HARDWARE declares the server's, for servers without burstgate's GET /info.")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="BURSTGATE_LOADTEST_API_KEY", metavar="KEY",
                                                 help="Bearer key sent to every target.")] = None,
     requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests per target and sweep point.")] = 100,

@@ -35,12 +35,16 @@ class Target:
 
     @classmethod
     def parse(cls, spec: str, api_key: str | None = None) -> Target:
-        """``URL#MODEL`` or ``URL#MODEL@HARDWARE`` as given to ``--target``."""
-        url, sep, rest = spec.rpartition("#")
+        """``[LABEL=]URL#MODEL[@HARDWARE]`` as given to ``--target``."""
+        label, eq, rest_of_spec = spec.partition("=")
+        if not eq or "/" in label or ":" in label:  # no label: an "=" belongs to the URL's query
+            label, rest_of_spec = "", spec
+        url, sep, rest = rest_of_spec.rpartition("#")
         model, at, hardware = rest.partition("@")
-        if not sep or not url or not model or (at and not hardware.strip()):
-            raise ValueError(f"target {spec!r} must look like URL#MODEL or URL#MODEL@HARDWARE")
-        return cls(url, model, api_key, hardware=hardware.strip() or None)
+        if not sep or not url or not model or (at and not hardware.strip()) or (eq and not label.strip() and
+                                                                                   rest_of_spec != spec):
+            raise ValueError(f"target {spec!r} must look like [LABEL=]URL#MODEL[@HARDWARE]")
+        return cls(url, model, api_key, label=label.strip(), hardware=hardware.strip() or None)
 
 
 @dataclass

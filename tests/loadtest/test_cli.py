@@ -35,7 +35,8 @@ def _usage_error(args: list[str], *words: str) -> str:
     (TARGET + ["--input-len", "9:3"], ["LOW:HIGH"]),
     (TARGET + ["--tokenizer", "a", "--tokenizer", "b"], ["--tokenizer"]),
     (["loadtest", "run", "--hardware", "H100", "--target", "http://x#m"], ["--hardware"]),
-    (["loadtest", "run", "--target", "http://x#m@"], ["URL#MODEL@HARDWARE"]),
+    (["loadtest", "run", "--target", "http://x#m@"], ["URL#MODEL[@HARDWARE]"]),
+    (["loadtest", "run", "--target", "=http://x#m"], ["[LABEL=]"]),
     (["loadtest", "run", "--requests", "1"], ["--target"]),
     (["serve", "--log-level", "bogus"], ["--log-level", "info", "debug"]),
     # nothing accepted and ignored

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -88,3 +89,14 @@ def test_stricter_than_vllm_an_error_event_or_a_missing_finish_reason_fails():
     assert not record.ok and record.error_kind == "error_event"
     record, _ = _send([_chat("a")], RequestOptions(endpoint="chat"))
     assert not record.ok and record.error_kind == "incomplete"
+
+
+@pytest.mark.parametrize("spec, parsed", [
+    ("http://h:8000#m", ("", "http://h:8000", "m", None)),
+    ("vllm=http://h:8000/v1#m@8x H100", ("vllm", "http://h:8000", "m", "8x H100")),
+    ("http://h/x?a=b#m", ("", "http://h/x?a=b", "m", None)),  # an "=" in the URL is no label
+])
+def test_a_target_names_its_label_url_model_and_hardware(spec, parsed):
+    t = Target.parse(spec)
+    assert (t.label if parsed[0] else "", t.url, t.model, t.hardware) == parsed
+    assert t.label == (parsed[0] or f"m@{parsed[1]}")
