@@ -62,7 +62,9 @@ def main() -> None:
     shape = ["--requests", str(args.requests), "--input-len", args.input_len, "--output-len", args.output_len,
              "--warmup", "2", "--timeout", "1800"]
     work = Path(tempfile.mkdtemp(prefix="capacity-"))
-    record: dict = {**run_record(), "workload": {"requests": args.requests, "input_len": args.input_len,
+    earlier = json.loads(args.save.read_text()) if args.save and args.save.exists() else {}
+    record: dict = {**{k: earlier[k] for k in ("capacity", "sweep") if k in earlier and k in args.skip},
+                    "workload": {"requests": args.requests, "input_len": args.input_len,
                                                  "output_len": args.output_len}, "slos": slos}
     with contextlib.ExitStack() as stack:
         targets = {"native": serve_deployment(stack, {"kind": "native"})}
@@ -74,12 +76,12 @@ def main() -> None:
                          "--precision", args.precision, "--no-plots")
             ranked = subprocess.run(burstgate("loadtest", "recommend", "--db", str(work / "capacity" / "store.sqlite"),
                                               "--json"), check=True, capture_output=True, text=True).stdout
-            record["capacity"] = {"recommendation": json.loads(ranked), "points": _points(folder)}
+            record["capacity"] = {"run": run_record(), "recommendation": json.loads(ranked), "points": _points(folder)}
         if "sweep" not in args.skip:
             if args.deepspeed:
                 targets["deepspeed"] = serve_deployment(stack, {"kind": "deepspeed", "dtype": "float32"})
             folder = run(targets, work / "sweep", *shape, "--sweep-concurrency", args.concurrency)
-            record["sweep"] = {"targets": {n: u for n, u in targets.items()}, "points": _points(folder)}
+            record["sweep"] = {"run": run_record(), "targets": list(targets), "points": _points(folder)}
             if args.save:
                 figures = args.save.with_suffix("")
                 figures.mkdir(parents=True, exist_ok=True)

@@ -92,9 +92,8 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
         body["prompt"] = spec.prompt
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    text: list[str] = []
-    finished = False
-    stall = asyncio.timeout(None)  # armed by the stream's first line, re-armed by each one after it
+    events = _Events(record, chat)
+    stall = asyncio.timeout(None)  # armed by the stream's first bytes, re-armed by each read after them
     loop = asyncio.get_running_loop()
     try:
         async with client.post(target.url + path, json=body, headers=headers) as r, stall:
@@ -102,29 +101,18 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
             if r.status != 200:
                 body_text = (await r.read()).decode("utf-8", "replace")
                 return _fail(record, f"http_{r.status}", body_text[:500])
-            async for line in r.content:  # one SSE line at a time
+            # Whatever bytes have arrived, split into lines here: one await per read, not per line (a read
+            # often holds several events); every event in a read is stamped with the read's time, as vLLM's
+            # bench stamps them.
+            pending = b""
+            async for received in r.content.iter_any():
                 stall.reschedule(loop.time() + options.stall_timeout_s)
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
                 now = clock()
-                event = json.loads(data)
-                if "error" in event:
-                    return _fail(record, "error_event", str(event["error"])[:500])
-                choices = event.get("choices") or []
-                if choices:  # every event with choices times the stream, even with empty text (vLLM)
-                    record.chunk_times.append(now)
-                    c = choices[0]
-                    piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
-                    text.append(piece or "")
-                    finished = finished or c.get("finish_reason") is not None
-                elif usage := event.get("usage"):
-                    record.output_tokens = usage.get("completion_tokens") or 0
-                    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-                    if details := usage.get("prompt_tokens_details"):
-                        record.cached_tokens = details.get("cached_tokens")
+                *lines, pending = (pending + received).split(b"\n")
+                if any(events.line(line, now) for line in lines):
+                    break
+            else:
+                events.line(pending, clock())  # a last line without its newline
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         return _fail(record, "timeout", f"{type(exc).__name__} after {clock() - record.actual_send:.1f}s")
     except aiohttp.ClientError as exc:
@@ -132,13 +120,50 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
     except ValueError as exc:
         return _fail(record, "malformed", f"unparseable SSE event: {exc}"[:500])
     finally:
-        record.generated_text = "".join(text)
+        record.generated_text = "".join(events.text)
+    if events.error is not None:
+        return _fail(record, "error_event", events.error)
     if not record.chunk_times:
         return _fail(record, "no_choices", "the stream carried no event with choices")
-    if not finished:
+    if not events.finished:
         return _fail(record, "incomplete", "the stream ended without a finish_reason")
     record.ok = True
     return record
+
+
+class _Events:
+    """The SSE lines of one streamed answer, read into its record."""
+
+    def __init__(self, record: RequestRecord, chat: bool) -> None:
+        self.record, self.chat = record, chat
+        self.text: list[str] = []
+        self.finished = False
+        self.error: str | None = None
+
+    def line(self, line: bytes, now: float) -> bool:
+        """Reads one line received at ``now``; True when the stream is over ([DONE] or an error event)."""
+        if not line.startswith(b"data:"):
+            return False
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        event = json.loads(data)
+        if "error" in event:
+            self.error = str(event["error"])[:500]
+            return True
+        record = self.record
+        if choices := event.get("choices"):  # every event with choices times the stream, even with empty text (vLLM)
+            record.chunk_times.append(now)
+            c = choices[0]
+            piece = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
+            self.text.append(piece or "")
+            self.finished = self.finished or c.get("finish_reason") is not None
+        elif usage := event.get("usage"):
+            record.output_tokens = usage.get("completion_tokens") or 0
+            record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+            if details := usage.get("prompt_tokens_details"):
+                record.cached_tokens = details.get("cached_tokens")
+        return False
 
 
 def _fail(record: RequestRecord, kind: str, message: str) -> RequestRecord:

@@ -202,20 +202,24 @@ def plots(measured: list[Measured]) -> dict:
 # What the seed's figures draw against batch size (the DeepSpeed article's figures 4-6), here against the client's
 # concurrency, its serving counterpart: (name, y label, value of one measurement or None when not measured).
 CONCURRENCY_QUANTITIES = (
-    ("memory", "server memory, peak (GiB: GPU where sampled, else RSS)", lambda m: _peak_memory_gib(m.samples)),
-    ("cpu", "server CPU, mean (% of one core)", lambda m: _mean(m.samples, "cpu_percent")),
-    ("kv_cache", "KV-cache usage, peak (%)", lambda m: _peak(m.samples, "kv_cache_usage", 100)),
-    ("throughput", "output tokens/s", lambda m: m.summary["output_throughput"]),
-    ("latency", "TPOT p50 (ms)", lambda m: m.summary["median_tpot_ms"]),
+    ("memory", "server memory at its peak (GPU where sampled, else RSS)", "GiB",
+     lambda m: _peak_memory_gib(m.samples)),
+    ("cpu", "server CPU, mean over the run", "% of one core", lambda m: _mean(m.samples, "cpu_percent")),
+    ("kv_cache", "server KV-cache usage at its peak", "% of blocks", lambda m: _peak(m.samples, "kv_cache_usage", 100)),
+    ("throughput", "output throughput", "tokens/s", lambda m: m.summary["output_throughput"]),
+    ("latency", "time per output token, median", "TPOT p50 (ms)", lambda m: m.summary["median_tpot_ms"]),
 )
 
 
 def _against_concurrency(measured: list[Measured]) -> dict:
     """One figure per quantity, a line per target through its concurrency points (log2 axis)."""
+    from matplotlib.ticker import ScalarFormatter
+
     figs = {}
-    for name, label, value in CONCURRENCY_QUANTITIES:
-        fig, ax = _wide_axes(f"{label.split(',')[0].split(' (')[0]} against concurrency", "concurrency (requests in "
-                             "flight, the client's limit)", label)
+    levels = sorted({m.summary["max_concurrency"] for m in measured if m.summary.get("max_concurrency")})
+    for name, title, unit, value in CONCURRENCY_QUANTITIES:
+        fig, ax = _wide_axes(f"{title}, against concurrency", "concurrency (requests in flight, the client's limit)",
+                             unit)
         for target in dict.fromkeys(m.target for m in measured):
             points = sorted(((m.summary["max_concurrency"], value(m)) for m in measured
                              if m.target == target and m.summary.get("max_concurrency")), key=lambda p: p[0])
@@ -223,6 +227,8 @@ def _against_concurrency(measured: list[Measured]) -> dict:
             if points:
                 ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=target)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         if ax.get_lines():
             ax.legend(fontsize=7)
         figs[f"{name}_vs_concurrency"] = fig

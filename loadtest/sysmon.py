@@ -65,6 +65,7 @@ class Sampler:
         self.process, self.interval_s, self.metrics = process, interval_s, metrics
         self._psutil = require("psutil", SAMPLING) if process is not None else None
         self.samples: list[Sample] = []
+        self._known: dict[int, object] = {}  # pid -> psutil.Process of the server's tree
         self._nvml = _nvml()
         self._task: asyncio.Task | None = None
         self._t0 = time.perf_counter()
@@ -106,7 +107,12 @@ class Sampler:
         return s
 
     def _tree(self) -> list:
-        return [self.process, *self.process.children(recursive=True)]
+        """The server process and its children (vLLM's engine core is one), each kept as one psutil object
+        from sample to sample: a process's CPU percent is measured since that object's previous call, so a
+        fresh object would read 0 every time."""
+        alive = [self.process, *self.process.children(recursive=True)]
+        self._known = {p.pid: self._known.get(p.pid, p) for p in alive}
+        return list(self._known.values())
 
     def _cpu_percent(self) -> float:
         return sum(p.cpu_percent(None) for p in self._tree())

@@ -36,3 +36,32 @@ def test_the_sampler_reads_the_gauge_while_the_run_goes():
     with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
         samples = asyncio.run(sample(url))
     assert [s.kv_cache_usage for s in samples[:3]] == [0.1, 0.4, 0.9]
+
+
+def test_a_servers_child_processes_count_towards_its_cpu():
+    # the server process idles while its child (as vLLM's engine core) spins: the tree's CPU is the child's
+    import subprocess
+    import sys
+
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               "subprocess.run([sys.executable, '-c', 'while True: pass'])"])
+    try:
+        process = psutil.Process(parent.pid)
+        while not process.children():
+            pass
+
+        async def sample() -> list:
+            sampler = Sampler(process, 0.2)
+            sampler.start()
+            await asyncio.sleep(1.3)
+            return await sampler.stop()
+
+        samples = asyncio.run(sample())
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+    assert max(s.cpu_percent for s in samples[1:]) > 50, [s.cpu_percent for s in samples]

@@ -1,0 +1,89 @@
+"""CPU the load-testing client spends per streamed token: burstgate's tester against ``vllm bench serve``.
+
+Both clients stream the same burst (``--streams`` requests at t=0, ignore_eos, 16-token prompts) from the instant
+mock server (``burstgate loadtest mock-server``, its own process), once with ``--short`` and once with ``--long``
+output tokens per stream. A client's CPU per streamed token is the difference of its process's CPU time (user +
+system, from ``getrusage(RUSAGE_CHILDREN)``) between the two runs over the difference in tokens: start-up, imports,
+tokenizer loading and prompt building are the same in both and cancel. Rounds interleave the tools; the median is
+reported, and ours over vLLM's as a ratio. burstgate runs with ``--no-plots`` (plots are drawn after the run).
+
+    make peers   # vllm bench's client comes from vLLM's venv
+    python benchmarks/client_cpu.py --rounds 3 --save benchmarks/results/client_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from loadtest_agreement import VLLM_BENCH
+from peers import HF_DIR, VLLM_PYTHON, burstgate, export_hf_dir, free_port, run_record, serving
+
+MODEL = "mock"
+
+
+def cpu_seconds(cmd: list[str]) -> float:
+    """The CPU time (user + system) ``cmd`` takes, start to exit."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def ours(url: str, streams: int, tokens: int) -> list[str]:
+    out = Path(tempfile.mkdtemp())
+    return burstgate("loadtest", "run", "--target", f"{url}#{MODEL}", "--requests", str(streams), "--input-len", "16",
+                     "--output-len", str(tokens), "--warmup", "0", "--no-plots", "--out", str(out), "--db",
+                     str(out / "store.sqlite"))
+
+
+def vllm_bench(url: str, streams: int, tokens: int) -> list[str]:
+    out = Path(tempfile.mkdtemp())
+    return [str(VLLM_PYTHON), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--endpoint",
+            "/v1/completions", "--model", MODEL, "--tokenizer", str(HF_DIR), "--dataset-name", "random",
+            "--random-input-len", "16", "--random-output-len", str(tokens), "--num-prompts", str(streams),
+            "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", "r.json"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, default=128)
+    ap.add_argument("--short", type=int, default=128)
+    ap.add_argument("--long", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+    export_hf_dir()
+    tools = {"burstgate": ours, "vllm bench": vllm_bench}
+    per_token: dict[str, list[float]] = {name: [] for name in tools}
+    port = free_port()
+    with serving(burstgate("loadtest", "mock-server", "--port", str(port), "--model", MODEL), port) as url:
+        for r in range(args.rounds):
+            for name in (list(tools) if r % 2 == 0 else list(tools)[::-1]):
+                short = cpu_seconds(tools[name](url, args.streams, args.short))
+                long = cpu_seconds(tools[name](url, args.streams, args.long))
+                us = (long - short) / (args.streams * (args.long - args.short)) * 1e6
+                per_token[name].append(us)
+                print(f"round {r} {name:11s} {short:6.2f} s / {long:6.2f} s CPU: {us:5.1f} us per streamed token",
+                      flush=True)
+    medians = {name: statistics.median(v) for name, v in per_token.items()}
+    ratio = medians["burstgate"] / medians["vllm bench"]
+    print(f"median CPU per streamed token: burstgate {medians['burstgate']:.1f} us, vllm bench "
+          f"{medians['vllm bench']:.1f} us: {ratio:.2f}x")
+    if args.save:
+        args.save.write_text(json.dumps({**run_record(), "streams": args.streams, "short": args.short,
+                                         "long": args.long, "us_per_token": per_token, "median_us": medians,
+                                         "burstgate_over_vllm_bench": ratio}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
