@@ -91,6 +91,29 @@ def test_stricter_than_vllm_an_error_event_or_a_missing_finish_reason_fails():
     assert not record.ok and record.error_kind == "incomplete"
 
 
+def test_events_split_anywhere_across_reads_or_with_crlf_are_read_whole():
+    stream = (b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\r\n\r\n'
+              b'data: {"choices": [{"index": 0, "text": "b", "finish_reason": null}]}\n\n'
+              b'data: {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]}')  # no newline at the end
+    pieces = [stream[i:i + 7] for i in range(0, len(stream), 7)]  # cut mid-line, mid-JSON
+
+    async def handler(request: Request):
+        async def body():
+            for piece in pieces:
+                yield piece
+                await asyncio.sleep(0.005)  # each piece its own read
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    options = RequestOptions()
+    with serve_app(Starlette(routes=[Route("/v1/completions", handler, methods=["POST"])])) as url:
+        async def main():
+            async with new_client(options) as client:
+                return await send(client, Target(url, "m"), RequestSpec("hi", 1, 3), RequestRecord(0, 0.0), options)
+
+        record = asyncio.run(main())
+    assert record.ok and record.generated_text == "abc" and len(record.chunk_times) == 3
+
+
 @pytest.mark.parametrize("spec, parsed", [
     ("http://h:8000#m", ("", "http://h:8000", "m", None)),
     ("vllm=http://h:8000/v1#m@8x H100", ("vllm", "http://h:8000", "m", "8x H100")),

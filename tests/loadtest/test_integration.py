@@ -120,6 +120,8 @@ def _broken(mode: str) -> Starlette:
         async def body():
             if mode == "malformed":
                 yield b"data: {oops\n\n"
+            elif mode == "not an object":
+                yield b"data: [1, 2]\n\n"
             elif mode == "truncated":
                 yield b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
             elif mode == "stall":
@@ -130,7 +132,7 @@ def _broken(mode: str) -> Starlette:
     return Starlette(routes=[Route("/v1/completions", handler, methods=["POST"])])
 
 
-@pytest.mark.parametrize("mode, kind", [("500", "http_500"), ("malformed", "malformed"),
+@pytest.mark.parametrize("mode, kind", [("500", "http_500"), ("malformed", "malformed"), ("not an object", "malformed"),
                                         ("truncated", "incomplete"), ("stall", "timeout")])
 def test_bad_targets_are_reported_per_request_and_never_hang(mode, kind):
     specs = synthetic(_tok(), 5, 8, 3)
