@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=128)
     ap.add_argument("--long", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--itl-ms", type=float, default=0.0, help="the mock server's gap between tokens: paced, every "
+                    "event arrives in a read of its own for both clients (default: instant)")
     ap.add_argument("--before", type=Path, metavar="CHECKOUT", help="also the tester of another checkout (e.g. a "
                     "`git worktree` of an older commit), as `burstgate (before)`")
     ap.add_argument("--save", type=Path)
@@ -78,7 +80,8 @@ def main() -> None:
         tools["burstgate (before)"] = lambda url, n, tokens: ours(url, n, tokens, module=True)
     per_token: dict[str, list[float]] = {name: [] for name in tools}
     port = free_port()
-    with serving(burstgate("loadtest", "mock-server", "--port", str(port), "--model", MODEL), port) as url:
+    mock = burstgate("loadtest", "mock-server", "--port", str(port), "--model", MODEL, "--itl-ms", str(args.itl_ms))
+    with serving(mock, port) as url:
         for r in range(args.rounds):
             for name in (list(tools) if r % 2 == 0 else list(tools)[::-1]):
                 checkout = args.before if name == "burstgate (before)" else None
@@ -96,7 +99,7 @@ def main() -> None:
         print(f"burstgate before: {medians['burstgate (before)']:.1f} us "
               f"({medians['burstgate (before)'] / medians['vllm bench']:.2f}x vllm bench)")
     if args.save:
-        args.save.write_text(json.dumps({**run_record(), "before": str(args.before) if args.before else None,
+        args.save.write_text(json.dumps({**run_record(), "before": str(args.before) if args.before else None, "itl_ms": args.itl_ms,
                                          "streams": args.streams, "short": args.short,
                                          "long": args.long, "us_per_token": per_token, "median_us": medians,
                                          "burstgate_over_vllm_bench": ratio}, indent=2) + "\n")
