@@ -380,16 +380,19 @@ def report_cmd(
             raise typer.BadParameter("the store holds no runs", param_hint="--db")
         group = run_id or groups[-1]["run_group"]
         rows = store.load_group(conn, group)
+        recommendations = recommend([row for row in store.capacities(conn) if row["run_group"] == group])
     if not rows:
         raise typer.BadParameter(f"no run {group!r}; stored runs: {', '.join(g['run_group'] for g in groups)}",
                                  param_hint="RUN_ID")
     console.print(f"run {group}: {rows[0]['summary'].get('workload')}")
     report.console_table([r["summary"] for r in rows], console)
+    if recommendations:
+        _print_recommendations(recommendations, f"capacity at SLO, run {group}")
     if out is not None:
         measured = [report.from_stored(r) for r in rows]
         out.mkdir(parents=True, exist_ok=True)
         report.write_summaries(out, [m.summary for m in measured])
-        report.write_report(out, measured, f"burstgate load test {group}")
+        report.write_report(out, measured, f"burstgate load test {group}", recommendations)
         console.print(f"wrote {out}/report.html")
 
 
