@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 from tests.servers import free_port
 
@@ -51,13 +52,9 @@ def chromium() -> Iterator[str]:
 
 
 def _answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1):
-            return True
-    except OSError:
-        return False
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=1).status_code == 200
+    return False
 
 
 def load(devtools: str, page: Path, script: str, timeout_s: float = 60.0) -> PageLoad:
