@@ -58,7 +58,7 @@ DEVICE = "cpu" if REHEARSAL else "cuda"
 TOY_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32}
 # (part, most seconds it may take); the run's budget caps each further
-PARTS = {"device": 40, "smollm2": 110, "steps": 100, "served": 160, "tests": 120, "deepspeed": 110, "mii": 130}
+PARTS = {"device": 40, "smollm2": 110, "steps": 100, "served": 160, "tests": 180, "deepspeed": 150, "mii": 130}
 DEFAULT_PARTS = ["device", "smollm2", "steps", "served", "tests", "deepspeed", "mii"]
 
 
