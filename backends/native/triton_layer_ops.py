@@ -54,7 +54,7 @@ def _rotary_store_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
     base = qkv_ptr + token * stride_t + head * HEAD_DIM
     first = tl.load(base + half)
     second = tl.load(base + HEAD_DIM // 2 + half)
-    slot = tl.load(slots_ptr + token)
+    slot = tl.load(slots_ptr + token).to(tl.int64)  # 64-bit cache offsets, as in the paged attention kernel
     if head < NUM_HEADS + NUM_KV_HEADS:  # rotate q or k in place
         cos = tl.load(cos_ptr + token * (HEAD_DIM // 2) + half)
         sin = tl.load(sin_ptr + token * (HEAD_DIM // 2) + half)
@@ -64,11 +64,11 @@ def _rotary_store_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
         tl.store(base + half, first)
         tl.store(base + HEAD_DIM // 2 + half, second)
         if head >= NUM_HEADS:
-            cache = k_cache_ptr + (head - NUM_HEADS) * cache_stride_h + slot * HEAD_DIM
+            cache = k_cache_ptr + (head - NUM_HEADS).to(tl.int64) * cache_stride_h + slot * HEAD_DIM
             tl.store(cache + half, first)
             tl.store(cache + HEAD_DIM // 2 + half, second)
     else:
-        cache = v_cache_ptr + (head - NUM_HEADS - NUM_KV_HEADS) * cache_stride_h + slot * HEAD_DIM
+        cache = v_cache_ptr + (head - NUM_HEADS - NUM_KV_HEADS).to(tl.int64) * cache_stride_h + slot * HEAD_DIM
         tl.store(cache + half, first)
         tl.store(cache + HEAD_DIM // 2 + half, second)
 

@@ -64,11 +64,13 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     kv_end = context - q_len + tl.minimum(q_len, first + BLOCK_Q)  # one past the last key any row sees
     keys = tl.arange(0, BLOCK_N)
+    # 64-bit cache offsets: one layer's cache passes 2**31 elements when a small model gets a large GPU's memory
+    head_offset = kv_head.to(tl.int64) * stride_kh
     for start in range(0, kv_end, BLOCK_N):
         key = start + keys
         in_range = key < kv_end
-        block = tl.load(tables_ptr + seq * stride_tb + key // BLOCK_SIZE, mask=in_range, other=0)
-        offsets = kv_head * stride_kh + block[:, None] * stride_kb + (key % BLOCK_SIZE)[:, None] * stride_ks + dims[None, :]
+        block = tl.load(tables_ptr + seq * stride_tb + key // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        offsets = head_offset + block[:, None] * stride_kb + (key % BLOCK_SIZE)[:, None] * stride_ks + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=in_range[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
