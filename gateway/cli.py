@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from backends.native.config import EngineConfig
 from backends.native.gpus import GPUS
+from backends.sim.cli import app as sim_app
 from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
@@ -21,6 +22,8 @@ from loadtest.cli import app as loadtest_app
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
                   no_args_is_help=True, add_completion=False)
 app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
+app.add_typer(sim_app, name="sim", help="Simulated replicas: device profiles fitted on measured steps, fleets on a "
+                                         "virtual clock.")
 log = logging.getLogger("burstgate")
 
 _SERVE_ENV = "BURSTGATE_SERVE_OPTIONS"  # hands the parsed options to uvicorn worker processes (WorkerOptions)
@@ -70,13 +73,15 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
     served. ``engine_options`` (``dtype``, ``device``, ``tensor_parallel_size``, ``quantization``,
-    ``kv_cache_dtype``, ``block_size``: None when not given) apply to every in-process deployment, and are
-    refused where none would use them."""
+    ``kv_cache_dtype``, ``block_size``, ``simulate``: None when not given) apply to every in-process deployment,
+    and are refused where none would use them."""
     settings = load_settings(config)
     if model is not None and not model.exists():
         raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
                                  param_hint="--model")
-    options = {key: value for key, value in engine_options.items() if value is not None}
+    options: dict = {key: value for key, value in engine_options.items() if value is not None}
+    if "simulate" in options:  # --simulate PROFILE: a simulated replica on that device profile (backends/sim)
+        options["simulate"] = {"profile": options["simulate"]}
     native_only = sorted(set(options) - {"dtype"})
     if native_only and backend is not BackendKind.native:
         raise typer.BadParameter(f"{', '.join(_flag(k) for k in native_only)} apply to the native engine only",
@@ -170,6 +175,10 @@ def serve(
     block_size: Annotated[int | None, typer.Option(min=1, max=64, metavar="TOKENS", help="Native engine tokens per "
                                                    "KV block (default: 64 on CPU, 16 on CUDA), as vLLM's "
                                                    "--block-size.")] = None,
+    simulate: Annotated[str | None, typer.Option(metavar="PROFILE", help="A simulated replica: the native engine's "
+                                                 "scheduler with no model, each step the time this device profile "
+                                                 "models (h100, h200, a GPU type, or a profile file; "
+                                                 "`burstgate sim profiles`).")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
@@ -185,7 +194,8 @@ def serve(
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
                       "quantization": quantization.value if quantization else None,
-                      "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None, "block_size": block_size}
+                      "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None, "block_size": block_size,
+                      "simulate": simulate}
     try:
         settings = build_settings(config, model, served_model_name, backend, **engine_options)
     except ValueError as exc:  # an invalid config file or environment override

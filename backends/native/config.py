@@ -47,6 +47,16 @@ class KVEventsConfig(BaseModel):
     topic: str = ""
 
 
+class SimulationConfig(BaseModel):
+    """A simulated replica (backends/sim): this engine's scheduler and block manager, no model; each step takes
+    the time a device profile's step-time model gives it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: str  # a profile file, a name in backends/sim/profiles, or a GPU type of the planner's
+    real_time: bool = True  # sleep each step's modelled time; False: a virtual-time driver keeps the clock
+
+
 class EngineConfig(BaseModel):
     """Everything the native engine runs with, validated once. A native deployment's configuration *is*
     this model (plus the gateway's own fields), so a new engine setting is one field here."""
@@ -88,6 +98,7 @@ class EngineConfig(BaseModel):
     # rendered by the template but tool_choice auto/required/named is refused, as vLLM does without it.
     tool_parser: ToolParserName | None = None
     chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
+    simulate: SimulationConfig | None = None  # a simulated replica: no weights loaded, no model run (backends/sim)
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""

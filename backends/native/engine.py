@@ -36,6 +36,7 @@ from backends.native.sequence import Sequence
 from backends.native.structured_output import GrammarCompiler, new_matcher
 from backends.native.transfers import PendingPicks
 from backends.native.weights import default_model_path, open_checkpoint
+from backends.sim.runner import unsupported_by_simulation
 from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,7 +63,15 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(Path(config.tokenizer) if config.tokenizer else checkpoint.tokenizer_path)
         self.max_model_len = min(config.max_model_len or checkpoint.config.max_position_embeddings,
                                  checkpoint.config.max_position_embeddings)
-        if config.tensor_parallel_size > 1:
+        eos = set(checkpoint.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        if config.simulate is not None:  # a simulated replica: no weights, each step the time a profile models
+            from backends.sim.runner import SimulatedRunner
+
+            self.runner = SimulatedRunner(config, checkpoint.config, self.tokenizer, self.eos_token_ids)
+        elif config.tensor_parallel_size > 1:
             from backends.native.workers import ParallelRunner
 
             self.runner = ParallelRunner(config, checkpoint, self.max_model_len)
@@ -78,10 +87,6 @@ class LLMEngine:
             self.blocks.events = []
             self.blocks.medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
         self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
-        eos = set(checkpoint.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self.vocab_size = checkpoint.config.vocab_size
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, by choice index
         self._grammars: GrammarCompiler | None = None  # built on first use (xgrammar reads the vocabulary)
@@ -119,6 +124,9 @@ class LLMEngine:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` if this request can never run. Pure: safe from any thread."""
         params.validate()
+        if self.runner.picks_tokens and (name := unsupported_by_simulation(params)):
+            raise InvalidRequestError(f"{name} needs the model's logits, which a simulated replica does not compute.",
+                                      param=name)
         if not prompt_ids:
             raise InvalidRequestError("The prompt is empty: it must contain at least one token.", param="prompt")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -215,7 +223,7 @@ class LLMEngine:
 
     def _publish_kv_events(self) -> None:
         events = self.blocks.events
-        if events:
+        if events and self.kv_events is not None:  # without a publisher, whoever set blocks.events reads them
             self.kv_events.publish(KVEventBatch(time.time(), list(events)))
             events.clear()
 
@@ -226,6 +234,8 @@ class LLMEngine:
         batch = scheduled.batch
         logits = self.runner.execute(batch)
         self._count_prompt_tokens(scheduled)
+        if self.runner.picks_tokens:  # a simulated replica's runner returns its tokens: no logits to sample
+            return self._outputs(self.scheduler.postprocess(scheduled, [Sampled(t) for t in logits]))
         sample_rows = []
         for seq, rows, samples, all_rows in zip(scheduled.seqs, batch.logits_rows(), batch.sample,
                                                 batch.all_logits):

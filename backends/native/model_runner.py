@@ -65,6 +65,8 @@ def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, bu
 
 
 class ModelRunner:
+    picks_tokens = False  # execute returns logits for the engine's sampler (backends/sim's runner: tokens)
+
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
                  tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
         """One rank's runner (the whole model without ``tp``); ``device`` overrides ``config.device``."""

@@ -44,6 +44,14 @@ def activation_bytes(config: ModelConfig, dtype: torch.dtype, tp: int, max_num_b
         max_num_seqs * config.vocab_size * 4
 
 
+def gpu_kv_budget_bytes(config: ModelConfig, memory_bytes: int, dtype: torch.dtype, tp: int, utilization: float,
+                        max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The KV-cache bytes one of ``tp`` GPUs of ``memory_bytes`` keeps: its share ``utilization`` less the weights,
+    a step's peak activations and the CUDA context (the engine measures these where it runs; this predicts them)."""
+    reserve = activation_bytes(config, dtype, tp, max_num_batched_tokens, max_num_seqs) + CUDA_CONTEXT_BYTES
+    return int(memory_bytes * utilization) - weight_bytes_per_gpu(config, dtype, tp) - reserve
+
+
 @dataclass
 class Plan:
     gpu: str
@@ -91,7 +99,8 @@ def _plan_at(config: ModelConfig, gpu: GPU, gpu_name: str, dtype: torch.dtype, t
              max_num_seqs: int) -> Plan:
     weights = weight_bytes_per_gpu(config, dtype, tp)
     reserve = activation_bytes(config, dtype, tp, max_num_batched_tokens, max_num_seqs) + CUDA_CONTEXT_BYTES
-    budget = int(gpu.memory_gib * 2**30 * utilization) - weights - reserve
+    budget = gpu_kv_budget_bytes(config, int(gpu.memory_gib * 2**30), dtype, tp, utilization, max_num_batched_tokens,
+                                 max_num_seqs)
     blocks = kv_cache_blocks(config, block_size, dtype, budget, tp)
     per_sequence = -(-(input_len + output_len) // block_size)
     sequences = blocks // per_sequence

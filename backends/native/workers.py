@@ -49,6 +49,8 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 class ParallelRunner:
     """Rank 0's face of a tensor-parallel model, with the same interface as ``ModelRunner``."""
+    picks_tokens = False  # execute returns logits for the engine's sampler (a simulated runner: tokens)
+
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int) -> None:
         size = config.tensor_parallel_size

@@ -1,0 +1,274 @@
+"""Fitting a device profile on measured steps: the efficiencies and per-step costs that make the step-time model
+(``step_time.py``) reproduce them, by a grid over the two efficiencies and least squares for the two costs at
+each, minimising relative error. Deterministic: the same points give the same profile.
+
+Points come from the GPU checks' committed results (``gpu_check_*.json``'s step grids, ``cuda_engine_*.json``)
+or from the native engine measured here (``measure_native``): every step of a few bursts, timed as the engine
+runs it, with the batch it ran."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from backends.native.config import ModelConfig
+from backends.sim.profile import ProfileSource, StepProfile
+from backends.sim.step_time import StepCost, StepTimeModel, StepWork
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smollm2": ROOT / "configs" / "smollm2-135m.json"}
+EFFICIENCY_GRID = np.linspace(0.02, 1.0, 99)
+LAUNCH_GRID = np.concatenate([[0.0], np.geomspace(1e-6, 1e-2, 41)])  # seconds per layer
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step: the work of the model it ran and how long it took."""
+
+    cost: StepCost
+    work: StepWork
+    seconds: float
+
+
+def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepProfile | None = None,
+                how: str = "", files: list[str] | None = None) -> StepProfile:
+    """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
+    with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
+    prefill step cannot show (the same chip and engine measured elsewhere)."""
+    if len(points) < 3:
+        raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
+    y = np.array([p.seconds for p in points])
+    n = np.array([p.work.sequences for p in points], dtype=float)
+    f = _features(points, base)
+    computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
+    launch_grid = [compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID
+    ce, me = computes[:, None, None], EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
+    both = np.maximum if base.overlaps_memory else np.add
+    device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
+              + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
+              + f["allreduce_s"])
+    # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
+    # many more of the first; TTFT depends on the second)
+    decode = np.array([p.work.decode_only for p in points])
+    share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
+    w2 = share / y**2
+    best = None
+    for launch in launch_grid:
+        launches = launch * f["launched_layers"]
+        busy = np.maximum(device, launches) if base.launches_overlap else device + launches
+        overhead, per_seq = _costs(y - busy, n, w2)
+        error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
+        i, j = np.unravel_index(np.argmin(error), error.shape)
+        if best is None or error[i, j] < best[0]:
+            best = (error[i, j], computes[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch)
+    _, c, m, o, s, launch = best
+    fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
+                                     "step_overhead_s": float(o), "per_sequence_s": float(s),
+                                     "per_layer_launch_s": float(launch)})
+    errors = relative_errors(fitted, points)
+    fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
+                                  median_abs_error=float(np.median(np.abs(errors))),
+                                  max_abs_error=float(np.max(np.abs(errors))))
+    return fitted
+
+
+def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarray]:
+    """Per point, what the step-time model divides by the peaks: FLOPs and bytes of each part."""
+    rows = []
+    for p in points:
+        c, w = p.cost, p.work
+        model = StepTimeModel(base.model_copy(update={"compute_efficiency": 1.0, "memory_efficiency": 1.0}), c)
+        rows.append((c.linear_flops_per_token * w.tokens + c.lm_head_flops_per_row * w.sampled_rows, c.weight_bytes,
+                     c.attention_flops_per_query_key * w.query_keys, c.kv_bytes_per_token * (w.kv_read_tokens + w.tokens),
+                     model.parts(w)[2], 0 if w.decode_only and base.replays_decode else c.layers))
+    names = ("linear_flops", "weight_bytes", "attention_flops", "kv_bytes", "allreduce_s", "launched_layers")
+    return {name: np.array(column, dtype=float) for name, column in zip(names, zip(*rows))}
+
+
+def _costs(residual: np.ndarray, n: np.ndarray, w2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative (overhead, per-sequence) explaining ``residual`` (last axis: points) by weighted least
+    squares; where one comes out negative, it is zero and the other refitted alone."""
+    a, b, c = w2.sum(), (w2 * n).sum(), (w2 * n * n).sum()
+    d, e = (w2 * residual).sum(-1), (w2 * n * residual).sum(-1)
+    det = a * c - b * b
+    if det <= 1e-12 * a * c:  # every step of one size: the two cannot be told apart
+        return np.maximum(d / a, 0), np.zeros_like(d)
+    overhead, per_seq = (c * d - b * e) / det, (a * e - b * d) / det
+    only_per_seq, only_overhead = np.maximum(e / c, 0), np.maximum(d / a, 0)
+    overhead, per_seq = np.where(overhead < 0, 0, overhead), np.where(overhead < 0, only_per_seq, per_seq)
+    overhead, per_seq = np.where(per_seq < 0, only_overhead, overhead), np.maximum(per_seq, 0)
+    return overhead, per_seq
+
+
+def relative_errors(profile: StepProfile, points: list[StepPoint]) -> np.ndarray:
+    """(modelled - measured) / measured for each point."""
+    return np.array([(StepTimeModel(profile, p.cost).seconds_of(p.work) - p.seconds) / p.seconds for p in points])
+
+
+# ------------------------------------------------------------------------------------ measured points
+def model_cost(name_or_path: str | Path, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
+               tp: int = 1) -> StepCost:
+    """The step cost of a model named in ``MODEL_CONFIGS`` or by its config/checkpoint path."""
+    from backends.native.weights import open_checkpoint
+
+    path = MODEL_CONFIGS.get(str(name_or_path), Path(name_or_path))
+    config: ModelConfig = open_checkpoint(path).config
+    return StepCost.of(config, dtype_bytes, kv_dtype_bytes or dtype_bytes, tp)
+
+
+def points_from_gpu_check(path: Path | str) -> list[StepPoint]:
+    """The step grids of a ``make gpu-check`` result (its ``steps`` part): prefill steps of fresh prompts and
+    decode steps, per model, timed with CUDA events."""
+    grids = json.loads(Path(path).read_text())["parts"]["steps"]["result"]
+    points = []
+    for model, grid in grids.items():
+        cost = model_cost(model)
+        for step in grid["steps"]:
+            seqs, tokens, context = step["seqs"], step["tokens"], step["context"]
+            per_seq = tokens // seqs
+            points.append(StepPoint(cost, StepWork.of([per_seq] * seqs, [context] * seqs, seqs), step["ms"] / 1e3))
+    return points
+
+
+def points_from_cuda_engine(paths: list[Path | str]) -> list[StepPoint]:
+    """Decode steps of ``benchmarks/cuda_engine.py`` results: the 12.3B model at batch 1, SmolLM2 at the
+    burst's batches, replayed from CUDA graphs."""
+    points = []
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        if design := result.get("design_12b"):
+            cost, context = model_cost("design_12b"), design["context"]
+            points.append(StepPoint(cost, StepWork.of([1], [context], 1), design["graphs_s"]))
+        if burst := result.get("smollm2_burst"):
+            cost, context = model_cost("smollm2"), 512 + 128 // 2  # the burst's average decode context
+            for batch, times in burst["decode_step"].items():
+                n = int(batch)
+                points.append(StepPoint(cost, StepWork.of([1] * n, [context] * n, n), times["graphs_s"]))
+    return points
+
+
+def measure_native(engine, bursts: list[tuple[int, int, int]]) -> list[tuple[list[int], list[int], int, float]]:
+    """Every step of each burst (requests, prompt tokens, output tokens) through a warmed-up ``LLMEngine``, as
+    (query_lens, context_lens, sampled rows, seconds of ``engine.step()``): what a served step costs, the host's
+    scheduling and bookkeeping included, since on a CPU they do not overlap the model."""
+    from backends.base import SamplingParams
+
+    steps: list[tuple[list[int], list[int], int, float]] = []
+    execute = engine.runner.execute
+    batches = []
+
+    def recording(batch, *args):  # the batch of the step being timed
+        batches.append((list(batch.query_lens), list(batch.context_lens), sum(batch.sample)))
+        return execute(batch, *args)
+
+    engine.runner.execute = recording
+    try:
+        for i, (requests, prompt, output) in enumerate(bursts):
+            params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+            for r in range(requests):  # distinct prompts: nothing shared in the prefix cache
+                ids = [(1000 + 7919 * (i * 4096 + r) + 31 * j) % 40000 + 100 for j in range(prompt)]
+                engine.add_request(f"fit-{i}-{r}", ids, params)
+            while engine.has_unfinished():
+                batches.clear()
+                started = time.perf_counter()
+                engine.step()
+                seconds = time.perf_counter() - started
+                if batches:
+                    steps.append((*batches[-1], seconds))
+            engine.blocks.reset_prefix_cache()
+    finally:
+        engine.runner.execute = execute
+    return steps
+
+
+def measure_cpu_peaks(dtype, seconds: float = 1.0) -> tuple[float, float]:
+    """(FLOP/s of a large matmul in ``dtype``, bytes/s of a large copy, read + written) on this CPU with torch's
+    threads as the engine's process set them: the peaks a CPU profile's efficiencies are shares of."""
+    import torch
+
+    n = 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flops = _best_rate(lambda: a @ b, 2 * n**3, seconds)
+    src = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB: well past the caches
+    dst = torch.empty_like(src)
+    bandwidth = _best_rate(lambda: dst.copy_(src), 2 * src.numel() * src.element_size(), seconds)
+    return flops, bandwidth
+
+
+def _best_rate(fn, work: float, seconds: float) -> float:
+    fn()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return work / best
+
+
+# ------------------------------------------------------------------------------------------ profiles
+CPU_BURSTS = [(1, 256, 32), (4, 512, 32), (16, 256, 32), (32, 128, 48), (8, 1024, 16), (64, 64, 32)]
+
+
+def gpu_base_profile(name: str, gpu_name: str) -> StepProfile:
+    """What a GPU profile starts from: the GPU type's datasheet, CUDA's block size, decode replayed from graphs."""
+    from backends.native.gpus import GPUS
+
+    if gpu_name not in GPUS:
+        raise ValueError(f"unknown GPU {gpu_name!r}; choose one of {', '.join(GPUS)}")
+    gpu = GPUS[gpu_name]
+    return StepProfile(name=name, device=gpu.name, memory_bytes=int(gpu.memory_gib * 2**30),
+                       peak_flops=gpu.bf16_tflops * 1e12, bandwidth=gpu.bandwidth_gbs * 1e9, compute_efficiency=1.0,
+                       memory_efficiency=1.0, step_overhead_s=0.0, per_sequence_s=0.0,
+                       source=ProfileSource(how="unfitted"))
+
+
+def cpu_base_profile(name: str, steps: dict) -> StepProfile:
+    """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype."""
+    return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
+                       bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
+                       step_overhead_s=0.0, per_sequence_s=0.0, replays_decode=steps["fused_steps"],
+                       launches_overlap=False, overlaps_memory=False, block_size=steps["block_size"], dtype=steps["dtype"],
+                       source=ProfileSource(how="unfitted"))
+
+
+def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = CPU_BURSTS) -> dict:
+    """The native engine's steps on this CPU (``measure_native``) with the peaks they are shares of."""
+    from backends.native.config import EngineConfig
+    from backends.native.engine import start_engine
+    from backends.sim.cli import machine
+
+    engine = start_engine(EngineConfig(model_path=str(model) if model else None))
+    try:
+        flops, bandwidth = measure_cpu_peaks(engine.runner.dtype)
+        steps = measure_native(engine, bursts)
+        return {"what": "native engine steps on a CPU, for `burstgate sim fit --from`", "machine": machine(),
+                "model": str(engine.model_path), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                "kv_dtype_bytes": engine.runner.kv_dtype.itemsize, "block_size": engine.blocks.block_size,
+                "fused_steps": engine.runner.fused is not None, "peaks": {"flops": flops, "bandwidth": bandwidth},
+                "bursts": bursts, "steps": steps}
+    finally:
+        engine.close()
+
+
+def points_from_steps(steps: dict) -> list[StepPoint]:
+    """The points of ``measure_cpu_steps``'s record (or its saved file's contents)."""
+    from backends.native.config import torch_dtype_named
+
+    cost = model_cost(steps["model"], torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
+    return [StepPoint(cost, StepWork.of(q, c, rows), seconds) for q, c, rows, seconds in steps["steps"]]
+
+
+def points_from_file(path: Path | str) -> list[StepPoint]:
+    """Measured steps from any of the files ``burstgate sim fit --from`` reads."""
+    data = json.loads(Path(path).read_text())
+    if "parts" in data:
+        return points_from_gpu_check(path)
+    if "steps" in data:
+        return points_from_steps(data)
+    if "design_12b" in data or "smollm2_burst" in data:
+        return points_from_cuda_engine([path])
+    raise ValueError(f"{path}: not a gpu_check, cuda_engine or saved-steps file")

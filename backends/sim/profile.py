@@ -1,0 +1,91 @@
+"""A device profile: the peaks of a device and the efficiencies and per-step costs the native engine reaches on
+it, fitted on measured steps (``fit.py``), one JSON file per device under ``profiles/`` with the data it was
+fitted on named in ``source``. GPU types nobody measured get the datasheet peaks of ``gpus.GPUS`` with the
+efficiencies of a measured GPU, and say so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.native.gpus import GPUS
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+REFERENCE_GPU_PROFILE = "h100"  # whose efficiencies an unmeasured GPU type borrows
+# NVLink 4 (H100 SXM: 900 GB/s both ways) per direction; PCIe 4 x16 for the GeForce and L40S parts
+NVLINK_BANDWIDTH, PCIE_BANDWIDTH = 450e9, 32e9
+
+
+class ProfileSource(BaseModel):
+    """Where a profile's numbers come from, and how well they reproduce them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    how: str  # the command that wrote it, or what it was derived from
+    files: list[str] = Field(default_factory=list)  # measurements it was fitted on
+    points: int = 0
+    median_abs_error: float | None = None  # relative, over the points fitted on
+    max_abs_error: float | None = None
+
+
+class StepProfile(BaseModel):
+    """A device as the step-time model (``step_time.py``) sees it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    device: str  # in words, as measured
+    memory_bytes: int | None = None  # what the simulated engine's weights and KV cache share; None: a CPU
+    peak_flops: float = Field(gt=0)  # bf16 dense (GPUs: datasheet), or measured on a CPU in the engine's dtype
+    bandwidth: float = Field(gt=0)  # bytes/s (GPUs: datasheet), or measured on a CPU
+    compute_efficiency: float = Field(gt=0, le=1)  # of peak_flops, fitted
+    memory_efficiency: float = Field(gt=0, le=1)  # of bandwidth, fitted
+    step_overhead_s: float = Field(ge=0)  # fitted: launches, scheduling not hidden behind the device
+    per_sequence_s: float = Field(ge=0)  # fitted: host work per sequence in the step
+    per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host
+    replays_decode: bool = True  # decode-only steps run whole, with no launches per layer (CUDA graphs, fused C)
+    launches_overlap: bool = True  # the device works while the host launches (GPUs); a CPU does one, then the other
+    overlaps_memory: bool = True  # a part's time is the longer of its FLOPs and its bytes (GPUs), else their sum
+    interconnect_bandwidth: float = Field(NVLINK_BANDWIDTH, gt=0)  # bytes/s per direction, for tensor parallelism
+    allreduce_latency_s: float = Field(10e-6, ge=0)
+    block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)
+    dtype: str = "bfloat16"  # the engine's compute dtype on this device
+    source: ProfileSource
+
+    def save(self, path: Path | str) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(), indent=1) + "\n")
+
+
+def profile_names() -> list[str]:
+    """Profiles shipped in ``profiles/`` and GPU types a profile can be derived for."""
+    return sorted({p.stem for p in PROFILES_DIR.glob("*.json")} | set(GPUS))
+
+
+def load_profile(name: str) -> StepProfile:
+    """A profile by file path, by name in ``profiles/``, or derived for a GPU type of ``gpus.GPUS``."""
+    path = Path(name)
+    if path.suffix == ".json" and path.exists():
+        return StepProfile.model_validate_json(path.read_text())
+    shipped = PROFILES_DIR / f"{name}.json"
+    if shipped.exists():
+        return StepProfile.model_validate_json(shipped.read_text())
+    if name in GPUS:
+        return derived_gpu_profile(name, load_profile(REFERENCE_GPU_PROFILE))
+    raise ValueError(f"unknown profile {name!r}: a profile file, or one of {', '.join(profile_names())}")
+
+
+def derived_gpu_profile(gpu_name: str, reference: StepProfile) -> StepProfile:
+    """A GPU type nobody measured: its datasheet peaks with ``reference``'s fitted efficiencies and costs."""
+    gpu = GPUS[gpu_name]
+    fields: dict[str, Any] = reference.model_dump(exclude={"name", "device", "memory_bytes", "peak_flops",
+                                                           "bandwidth", "interconnect_bandwidth", "source"})
+    nvlink = gpu_name.startswith(("h", "a"))  # SXM parts; GeForce and L40S talk over PCIe
+    return StepProfile(name=gpu_name, device=f"{gpu.name} (datasheet)", memory_bytes=int(gpu.memory_gib * 2**30),
+                       peak_flops=gpu.bf16_tflops * 1e12, bandwidth=gpu.bandwidth_gbs * 1e9,
+                       interconnect_bandwidth=NVLINK_BANDWIDTH if nvlink else PCIE_BANDWIDTH,
+                       source=ProfileSource(how=f"datasheet peaks of {gpu.name}; efficiencies and per-step costs of "
+                                                f"the {reference.name} profile, not measured on this GPU type"),
+                       **fields)

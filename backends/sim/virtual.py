@@ -1,0 +1,263 @@
+"""A fleet of simulated replicas on a virtual clock: the native engine's own scheduler and block manager in each
+(``runner.py``'s model-free runner, not sleeping), the gateway's own routing policies choosing among them, and
+the load tester's metrics over what a client would have seen; no HTTP, no threads, so hours of a fleet's
+traffic take what their scheduling work takes on the host.
+
+Events are request arrivals and step ends. A replica that has work starts a step at once: the engine schedules
+it and the runner gives its modelled seconds; the step's tokens are delivered when it ends, and requests that
+arrived meanwhile join the next step, as on a device that runs one step at a time. Times are seconds since
+the first arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backends.base import EngineStats, GenerationRequest, SamplingParams
+from backends.kv_events import BlockRemoved, BlockStored
+from backends.native.config import EngineConfig, SimulationConfig
+from backends.native.engine import LLMEngine
+from backends.tokenizer import Tokenizer
+from gateway.deployments import Deployment
+from gateway.limits import ConcurrencyLimiter
+from gateway.routing.policy import POLICIES, PolicyConfig, RoutedRequest
+from loadtest.metrics import RequestRecord, summarize
+
+# Token ids of generated prompts: ordinary tokens of the embedded tokenizer's range, clear of its special ones
+PROMPT_TOKEN_RANGE = (1000, 40000)
+
+
+@dataclass
+class SimRequest:
+    """One request of a simulated workload: token ids, not text; a turn of a conversation names it."""
+
+    at_s: float
+    prompt: list[int]
+    max_tokens: int
+    session: str | None = None
+    next_turn: SimTurn | None = None  # sent when this one is answered
+
+
+@dataclass
+class SimTurn:
+    """The turn after an answer: the conversation so far + the answer + ``question``, ``think_s`` later."""
+
+    question: list[int]
+    max_tokens: int
+    think_s: float
+    next_turn: SimTurn | None = None
+
+
+class _Replica:
+    """A simulated engine behind a ``Deployment``, as the gateway's policies see an in-process engine."""
+
+    def __init__(self, name: str, engine: LLMEngine, max_concurrency: int) -> None:
+        self.engine = engine
+        self.deployment = Deployment(name=name, backend=self, limiter=ConcurrencyLimiter(max_concurrency, 10**9))
+        self.busy = False
+        engine.blocks.events = []  # its prefix cache's KV events, for a cache-aware policy's index
+
+    def stats(self) -> EngineStats:  # what LoadReader reads of an in-process engine
+        return self.engine.stats()
+
+
+@dataclass
+class _Flight:
+    request: SimRequest
+    record: RequestRecord
+    replica: _Replica
+    routed: RoutedRequest
+    output: list[int] = field(default_factory=list)
+
+
+@dataclass
+class FleetResult:
+    """What a simulated run measured: the load tester's summary, and per replica its share of the work."""
+
+    summary: dict
+    records: list[RequestRecord]
+    per_replica: dict[str, dict]
+    steps: int
+    virtual_s: float
+
+
+class VirtualFleet:
+    """``replicas`` simulated engines of ``engine``'s configuration (its ``simulate`` profile, not sleeping),
+    routed by ``routing`` (a policy config of the gateway's)."""
+
+    def __init__(self, engine: EngineConfig, replicas: int, routing: PolicyConfig, tokenizer: Tokenizer | None = None,
+                 max_concurrency: int = 1024, seed: int = 0) -> None:
+        if engine.simulate is None:
+            raise ValueError("a virtual fleet runs simulated replicas: the engine config needs `simulate`")
+        config = engine.model_copy(update={"simulate": SimulationConfig(profile=engine.simulate.profile,
+                                                                        real_time=False), "warmup": False})
+        first = LLMEngine(config, tokenizer)
+        engines = [first] + [LLMEngine(config, first.tokenizer) for _ in range(replicas - 1)]
+        self.replicas = [_Replica(f"replica-{i}", e, max_concurrency) for i, e in enumerate(engines)]
+        deployments = [r.deployment for r in self.replicas]
+        self.policy = POLICIES[routing.policy](routing, deployments)
+        self._by_deployment = {id(r.deployment): r for r in self.replicas}
+        random.seed(seed)  # the policies break ties at random
+
+    def run(self, requests: list[SimRequest]) -> FleetResult:
+        """Serve ``requests`` (and the turns they lead to) to the end; the client's view of each."""
+        clock = 0.0
+        events: list[tuple[float, int, str, object]] = []
+        order = itertools.count()
+        flights: dict[str, _Flight] = {}
+        records: list[RequestRecord] = []
+        steps = 0
+
+        def push(at: float, kind: str, payload: object) -> None:
+            heapq.heappush(events, (at, next(order), kind, payload))
+
+        def start_step(replica: _Replica, now: float) -> None:
+            nonlocal steps
+            outputs = replica.engine.step()
+            events_now = list(replica.engine.blocks.events)
+            replica.engine.blocks.events.clear()
+            if not outputs and not replica.engine.has_unfinished():
+                replica.busy = False
+                self._apply_kv_events(replica, events_now)
+                return
+            steps += 1
+            replica.busy = True
+            push(now + replica.engine.runner.last_step_s, "step", (replica, outputs, events_now))
+
+        for request in requests:
+            push(request.at_s, "arrive", request)
+        while events:
+            clock, _, kind, payload = heapq.heappop(events)
+            if kind == "arrive":
+                request = payload
+                flight = self._dispatch(request, clock, len(records))
+                records.append(flight.record)
+                flights[str(flight.record.index)] = flight
+                if not flight.replica.busy:
+                    start_step(flight.replica, clock)
+                continue
+            replica, outputs, kv_events = payload
+            self._apply_kv_events(replica, kv_events)
+            for request_id, chunk in outputs:
+                flight = flights[request_id]
+                flight.record.chunk_times.append(clock)
+                flight.output.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    self._finish(flight, chunk, clock, push)
+                    del flights[request_id]
+            start_step(replica, clock)
+        return FleetResult(summarize(records, clock - min((r.target_send for r in records), default=0.0)),
+                           records, self._per_replica(), steps, clock)
+
+    def _dispatch(self, request: SimRequest, now: float, index: int) -> _Flight:
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0)
+        generation = GenerationRequest(request_id=str(index), model="simulated", params=params, prompt=request.prompt,
+                                       user=request.session)
+        routed = RoutedRequest(generation, tokens=request.prompt, tokens_source="request", session=request.session)
+        candidates = [r.deployment for r in self.replicas]
+        choice = self.policy.choose(candidates, routed) if len(candidates) > 1 else None
+        deployment = choice.deployment if choice else candidates[0]
+        self.policy.dispatched(deployment, routed)
+        replica = self._by_deployment[id(deployment)]
+        deployment.limiter.in_flight += 1
+        record = RequestRecord(index=index, target_send=request.at_s, actual_send=now, max_tokens=request.max_tokens,
+                               planned_prompt_tokens=len(request.prompt), prompt_tokens=len(request.prompt),
+                               fixed_output=True)
+        replica.engine.add_request(str(index), request.prompt, params)
+        return _Flight(request, record, replica, routed)
+
+    def _finish(self, flight: _Flight, chunk, now: float, push) -> None:
+        record, deployment = flight.record, flight.replica.deployment
+        record.end, record.ok = now, True
+        record.output_tokens = len(flight.output)
+        record.cached_tokens = chunk.usage.cached_tokens if chunk.usage else None
+        deployment.limiter.in_flight -= 1
+        answered = [*flight.request.prompt, *flight.output]
+        self.policy.finished(deployment, flight.routed, answered)
+        turn = flight.request.next_turn
+        if turn is not None:
+            push(now + turn.think_s, "arrive", SimRequest(now + turn.think_s, [*answered, *turn.question],
+                                                          turn.max_tokens, flight.request.session, turn.next_turn))
+
+    def _apply_kv_events(self, replica: _Replica, kv_events: list) -> None:
+        index = getattr(self.policy, "index", None)  # a cache-aware policy's prefix index, kept precise
+        if index is None:
+            return
+        name = replica.deployment.name
+        for event in kv_events:
+            if isinstance(event, BlockStored):
+                index.stored(name, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
+            elif isinstance(event, BlockRemoved):
+                index.removed(name, event.block_hashes)
+            else:
+                index.cleared(name)
+
+    def _per_replica(self) -> dict[str, dict]:
+        out = {}
+        for r in self.replicas:
+            s = r.engine.stats()
+            out[r.deployment.name] = {"prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
+                                      "prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries
+                                      if s.prefix_cache_queries else None, "preemptions": s.preemptions}
+        return out
+
+
+# ------------------------------------------------------------------------------------------ workloads
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(n)]
+
+
+def burst_workload(n: int, input_len: int, output_len: int, arrivals: list[float], seed: int = 0,
+                   prefix_len: int = 0, num_prefixes: int = 1) -> list[SimRequest]:
+    """``n`` prompts of ``input_len`` tokens (the first ``prefix_len`` shared within ``num_prefixes`` groups),
+    ``output_len`` out, sent at ``arrivals`` (``loadtest.schedule.arrival_offsets``)."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, prefix_len) for _ in range(num_prefixes)]
+    return [SimRequest(at, prefixes[i % num_prefixes] + _tokens(rng, input_len - prefix_len), output_len)
+            for i, at in zip(range(n), arrivals)]
+
+
+def conversation_workload(users: int, turns: int, system_len: int, question_len: int, output_len: int,
+                          arrivals: list[float], think_s: float = 0.0, seed: int = 0) -> list[SimRequest]:
+    """``users`` conversations sharing one system prompt, each ``turns`` turns long, started at ``arrivals``;
+    every turn after the first is sent ``think_s`` after the previous answer, with the whole history."""
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len)
+    requests = []
+    for user, at in zip(range(users), arrivals):
+        chain: SimTurn | None = None
+        for _ in range(turns - 1):
+            chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain)
+        requests.append(SimRequest(at, system + _tokens(rng, question_len), output_len, f"user-{user}", chain))
+    return requests
+
+
+def trace_workload(path: Path, block_size: int = 512, time_scale: float = 1.0, seed: int = 0) -> list[SimRequest]:
+    """A Mooncake-format trace (``loadtest.trace``): requests with equal ``hash_ids`` share those prompt blocks."""
+    from loadtest.trace import read_trace
+
+    rng = random.Random(seed)
+    blocks: dict[int, list[int]] = {}
+    requests = []
+    for r in read_trace(path, block_size):
+        if r.hash_ids:
+            prompt = [t for h in r.hash_ids for t in blocks.setdefault(h, _tokens(rng, block_size))]
+            prompt = prompt[:r.input_length]
+        else:
+            prompt = _tokens(rng, r.input_length)
+        requests.append(SimRequest(r.at_s * time_scale, prompt, r.output_length, r.session))
+    return requests
+
+
+def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> Iterator[float]:
+    """Arrival offsets at ``rate`` requests/s (Poisson); all at 0 (a burst) when ``rate`` is None."""
+    from loadtest.schedule import Schedule, arrival_offsets
+
+    if rate is None:
+        return iter([0.0] * n)
+    return iter(arrival_offsets(Schedule.poisson, n, rate=rate, seed=seed))
