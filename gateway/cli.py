@@ -230,7 +230,8 @@ class PlanDtype(StrEnum):
 def plan(
     model: Annotated[Path, typer.Option(exists=True, metavar="PATH",
                                         help="HF directory, .gguf or config.json (only the config is read).")],
-    gpu: Annotated[GpuName, typer.Option(help="GPU type (datasheet memory, bandwidth and bf16 peak).")],
+    gpu: Annotated[list[GpuName], typer.Option(help="GPU type (datasheet memory, bandwidth and bf16 peak); "
+                                               "repeat to compare types.")],
     dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.")] = PlanDtype.bfloat16,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="GPUs per model; default: "
                                                              "the fewest that fit.")] = None,
@@ -239,25 +240,51 @@ def plan(
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, metavar="X",
                                                           help="Share of each GPU the engine takes.")] = 0.9,
     max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="The engine's concurrency limit.")] = 256,
+    slo: Annotated[list[str] | None, typer.Option(metavar="METRIC_STAT_ms=LIMIT", help="With it, the fewest replicas "
+                                                  "that meet it, from simulated fleets (repeatable; e.g. "
+                                                  "ttft_p99_ms=2000, tpot_p99_ms=100).")] = None,
+    rate: Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="With --slo: the traffic's arrival "
+                                               "rate.")] = None,
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: requests simulated.")] = 1000,
+    arrivals: Annotated[str, typer.Option(metavar="KIND", help="With --slo: poisson, constant or gamma.")] = "poisson",
+    trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: a "
+                                               "Mooncake-format trace as the traffic instead.")] = None,
+    routing: Annotated[str, typer.Option(metavar="POLICY", help="With --slo: the routing policy.")] = "cache_aware",
+    max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.")] = 64,
+    plot: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE.png", help="With --slo: the curves "
+                                              "behind the answer as a chart.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Memory and roofline speed of the native engine for a model on a GPU type: what fits where."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from backends.native.planner import plan as make_plan
+    """Memory and roofline speed of the native engine for a model on a GPU type: what fits where. With --slo:
+    how many replicas of it carry a traffic within that SLO, per GPU type."""
     from backends.native.weights import open_checkpoint
+
+    if slo:
+        _plan_for_slo(model, [g.value for g in gpu], slo, rate, requests, arrivals, trace, input_len, output_len,
+                      tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing, max_replicas, plot, as_json)
+        return
+    from backends.native.planner import plan as make_plan
 
     try:
         config = open_checkpoint(model).config
-        result = make_plan(config, gpu.value, dtype.value, tensor_parallel_size, input_len, output_len,
-                           gpu_memory_utilization, max_num_seqs=max_num_seqs)
+        results = [make_plan(config, g.value, dtype.value, tensor_parallel_size, input_len, output_len,
+                             gpu_memory_utilization, max_num_seqs=max_num_seqs) for g in gpu]
     except (ValueError, KeyError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--model / --tensor-parallel-size") from None
     if as_json:
-        typer.echo(json.dumps(result.as_dict(), indent=2))
+        dicts = [r.as_dict() for r in results]
+        typer.echo(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
         return
-    table = Table(title=f"{model.name} on {GPUS[gpu.value].name}, {dtype.value}, ({input_len} in, {output_len} out)")
+    for g, result in zip(gpu, results):
+        _print_static_plan(model, g.value, dtype.value, input_len, output_len, max_num_seqs, result)
+
+
+def _print_static_plan(model: Path, gpu: str, dtype: str, input_len: int, output_len: int, max_num_seqs: int,
+                       result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model.name} on {GPUS[gpu].name}, {dtype}, ({input_len} in, {output_len} out)")
     for column in ("", "value"):
         table.add_column(column)
     rows = [("tensor parallel size", str(result.tensor_parallel_size)), ("fits", "yes" if result.fits else "no"),
@@ -272,6 +299,52 @@ def plan(
     Console().print(table)
     if result.why:
         typer.echo(result.why)
+
+
+def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: float | None, requests: int,
+                  arrivals: str, trace: Path | None, input_len: int, output_len: int, tensor_parallel_size: int | None,
+                  max_num_seqs: int, gpu_memory_utilization: float, routing: str, max_replicas: int,
+                  plot: Path | None, as_json: bool) -> None:
+    """``plan --slo``: per GPU type, the fewest replicas whose simulated fleet meets every SLO."""
+    from backends.native.config import EngineConfig
+    from backends.sim.capacity import parse_slo, plan_fleet
+    from backends.sim.cli import build_workload, routing_config
+
+    try:
+        slos = dict(parse_slo(text) for text in slo_texts)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--slo") from None
+    if rate is None and trace is None:
+        raise typer.BadParameter("an SLO holds at a traffic: give its --rate (or a --trace)", param_hint="--rate")
+    engine = EngineConfig(model_path=str(model), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                          gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size or 1)
+    policy = routing_config(routing)
+
+    def workload():
+        return build_workload(requests, input_len, output_len, rate, arrivals, 0, trace=trace)
+
+    try:
+        plans = [plan_fleet(engine, g, workload, slos, policy, max_replicas) for g in gpus]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model / --tensor-parallel-size") from None
+    if plot is not None:
+        from backends.sim.charts import plan_chart
+
+        plan_chart(plans, slos, plot)
+    if as_json:
+        typer.echo(json.dumps({"slos_ms": slos, "rate": rate, "plans": [p.as_dict(slos) for p in plans]}, indent=2))
+        return
+    limits = ", ".join(f"{k} <= {v:g}" for k, v in slos.items())
+    traffic = f"trace {trace.name}" if trace else f"{rate:g} req/s ({input_len} in, {output_len} out)"
+    typer.echo(f"{model.name}, {traffic}, {limits}, routing {routing} (simulated fleets, backends/sim):")
+    for p in plans:
+        answer = f"{p.replicas} replicas x TP {p.tensor_parallel_size} = {p.gpus} GPUs" if p.replicas else p.why
+        typer.echo(f"  {p.gpu}: {answer}")
+        for point in p.curve:
+            s = point.summary
+            typer.echo(f"    {point.replicas:>3} replicas: {'meets' if point.meets else 'misses':<6}  output "
+                       f"{s['output_throughput']:,.0f} tok/s  TTFT p50/p99 {s['median_ttft_ms']:,.0f}/"
+                       f"{s['p99_ttft_ms']:,.0f} ms  TPOT p50/p99 {s['median_tpot_ms']:.1f}/{s['p99_tpot_ms']:.1f} ms")
 
 
 if __name__ == "__main__":

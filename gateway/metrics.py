@@ -92,38 +92,40 @@ class _ModelCollector(Collector):
         yield ready
 
 
+# An in-process engine's figures, under burstgate's names (labels model, backend) and vLLM's (labels model_name and
+# engine, as vLLM's V1 engine exports them; engine: the deployment), so that routers and dashboards made for vLLM read a native deployment as they read vLLM:
+# (EngineStats field, kind, name after the prefix, help)
+ENGINE_FIGURES = [
+    ("running", "gauge", "num_requests_running", "Sequences in the engine's batch."),
+    ("waiting", "gauge", "num_requests_waiting", "Sequences queued in the engine."),
+    ("kv_usage", "gauge", "kv_cache_usage_perc", "Fraction of KV blocks in use."),
+    ("preemptions", "counter", "num_preemptions", "Sequences preempted."),
+    ("prefix_cache_queries", "counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("prompt_tokens", "counter", "prompt_tokens", "Prompt tokens computed (prefill)."),
+    ("generation_tokens", "counter", "generation_tokens", "Tokens generated."),
+]
+
+
 class _EngineCollector(Collector):
     def __init__(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         self.engines = engines
 
     def collect(self):
-        labels = ["model", "backend"]
-        gauges = {
-            "running": GaugeMetricFamily("burstgate:num_requests_running", "Sequences in the engine's batch.",
-                                         labels=labels),
-            "waiting": GaugeMetricFamily("burstgate:num_requests_waiting", "Sequences queued in the engine.",
-                                         labels=labels),
-            "kv_usage": GaugeMetricFamily("burstgate:kv_cache_usage_perc", "Fraction of KV blocks in use.",
-                                          labels=labels),
-            "hit_rate": GaugeMetricFamily("burstgate:prefix_cache_hit_rate",
-                                          "Prompt tokens served from the prefix cache / looked up.", labels=labels),
-        }
-        counters = {
-            "preemptions": CounterMetricFamily("burstgate:num_preemptions", "Sequences preempted.", labels=labels),
-            "prefix_cache_queries": CounterMetricFamily("burstgate:prefix_cache_queries",
-                                                        "Prompt tokens looked up.", labels=labels),
-            "prefix_cache_hits": CounterMetricFamily("burstgate:prefix_cache_hits", "Prompt tokens found.",
-                                                     labels=labels),
-        }
+        families = {}
+        for field, kind, name, help_text in ENGINE_FIGURES:
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            families[field] = (family(f"burstgate:{name}", help_text, labels=["model", "backend"]),
+                               family(f"vllm:{name}", help_text, labels=["model_name", "engine"]))
+        hit_rate = GaugeMetricFamily("burstgate:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / looked up.", labels=["model", "backend"])
         for model, backend, s in self.engines():
-            values = [model, backend]
-            gauges["running"].add_metric(values, s.running)
-            gauges["waiting"].add_metric(values, s.waiting)
-            gauges["kv_usage"].add_metric(values, s.kv_usage)
-            gauges["hit_rate"].add_metric(values, s.prefix_cache_hits / s.prefix_cache_queries
-                                          if s.prefix_cache_queries else 0.0)
-            counters["preemptions"].add_metric(values, s.preemptions)
-            counters["prefix_cache_queries"].add_metric(values, s.prefix_cache_queries)
-            counters["prefix_cache_hits"].add_metric(values, s.prefix_cache_hits)
-        yield from gauges.values()
-        yield from counters.values()
+            for field, (ours, vllms) in families.items():
+                value = getattr(s, field)
+                ours.add_metric([model, backend], value)
+                vllms.add_metric([model, backend], value)
+            hit_rate.add_metric([model, backend], s.prefix_cache_hits / s.prefix_cache_queries
+                                if s.prefix_cache_queries else 0.0)
+        for pair in families.values():
+            yield from pair
+        yield hit_rate

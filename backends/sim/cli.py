@@ -110,3 +110,105 @@ def machine() -> str:
     from gateway.info import cpu_model
 
     return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
+
+
+Requests = Annotated[int, typer.Option(min=1, metavar="N", help="Requests (conversations with --users).")]
+Rate = Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="Arrival rate; none: all at t=0.")]
+Arrivals = Annotated[str, typer.Option(metavar="KIND", help="Arrival process at --rate: poisson, constant or gamma "
+                                       "(the load tester's).")]
+
+
+def build_workload(requests: int, input_len: int, output_len: int, rate: float | None, arrivals: str, seed: int,
+                   prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1, question_len: int = 64,
+                   think_time: float = 0.0, trace: Path | None = None, time_scale: float = 1.0) -> list:
+    """The simulated requests the options describe: a trace, conversations (``turns`` > 1, the shared system
+    prompt ``prefix_len`` long), or single prompts (sharing ``prefix_len`` tokens within ``num_prefixes`` groups)."""
+    from backends.sim import virtual
+    from loadtest.schedule import Schedule, arrival_offsets
+
+    if trace is not None:
+        return virtual.trace_workload(trace, time_scale=time_scale, seed=seed)
+    if prefix_len >= input_len and turns == 1:
+        raise typer.BadParameter(f"the shared prefix ({prefix_len}) must be shorter than the prompt ({input_len})",
+                                 param_hint="--prefix-len")
+    try:
+        schedule = Schedule(arrivals) if rate is not None else Schedule.burst
+        offsets = arrival_offsets(schedule, requests, rate=rate, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--arrivals") from None
+    if turns > 1:
+        return virtual.conversation_workload(requests, turns, prefix_len, question_len, output_len, offsets,
+                                             think_time, seed)
+    return virtual.burst_workload(requests, input_len, output_len, offsets, seed, prefix_len, num_prefixes)
+
+
+def routing_config(policy: str):
+    """The gateway's routing configuration for a policy name (its defaults)."""
+    from gateway.routing.policy import POLICIES
+
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
+                                 param_hint="--routing")
+    return POLICIES[policy].Config()
+
+
+@app.command()
+def run(
+    model: Annotated[Path, typer.Option(exists=True, metavar="PATH", help="HF directory, .gguf or config.json (only "
+                                        "the config is read).")],
+    profile: Annotated[str, typer.Option(metavar="PROFILE", help="Device profile: h100, h200, a GPU type, a CPU "
+                                         "profile, or a profile file.")] = "h100",
+    replicas: Annotated[int, typer.Option(min=1, metavar="N", help="Simulated replicas.")] = 1,
+    routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.")] = "cache_aware",
+    requests: Requests = 100,
+    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.")] = 512,
+    output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens (fixed).")] = 128,
+    rate: Rate = None,
+    arrivals: Arrivals = "poisson",
+    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens shared by prompts of a group (with "
+                                            "--turns: the system prompt).")] = 0,
+    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Groups sharing a prefix.")] = 1,
+    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Turns per conversation (each with the whole "
+                                       "history).")] = 1,
+    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each turn's question.")] = 64,
+    think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Seconds between an answer and the next "
+                                              "turn.")] = 0.0,
+    trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
+                                               help="A Mooncake-format trace instead.")] = None,
+    time_scale: Annotated[float, typer.Option(min=0.0001, metavar="X", help="Trace times multiplied by X.")] = 1.0,
+    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.")] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.")] = 8192,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.")] = 1,
+    seed: Annotated[int, typer.Option(metavar="N")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """A fleet of simulated replicas on a virtual clock, routed by the gateway's own policies: what a client
+    would measure, without the fleet."""
+    import time
+
+    from backends.native.config import EngineConfig, SimulationConfig
+    from backends.sim.virtual import VirtualFleet, engine_tokenizer
+
+    try:
+        engine = EngineConfig(model_path=str(model), simulate=SimulationConfig(profile=profile, real_time=False),
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              tensor_parallel_size=tensor_parallel_size)
+        work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, turns,
+                              question_len, think_time, trace, time_scale)
+        fleet = VirtualFleet(engine, replicas, routing_config(routing), engine_tokenizer(engine), seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    started = time.perf_counter()
+    result = fleet.run(work)
+    host_s = time.perf_counter() - started
+    s = result.summary
+    hits = [r["prefix_cache_hit_rate"] for r in result.per_replica.values() if r["prefix_cache_hit_rate"] is not None]
+    if as_json:
+        typer.echo(json.dumps({"summary": s, "per_replica": result.per_replica, "steps": result.steps,
+                               "virtual_s": result.virtual_s, "host_s": host_s}, indent=2))
+        return
+    typer.echo(f"{replicas} x {model.name} on {profile}, routing {routing}: {s['completed']} requests "
+               f"({s['failed']} failed) in {s['duration']:.1f} s simulated ({host_s:.1f} s here, {result.steps} steps)")
+    typer.echo(f"output {s['output_throughput']:,.0f} tok/s  TTFT p50/p99 {s['median_ttft_ms']:,.0f}/"
+               f"{s['p99_ttft_ms']:,.0f} ms  TPOT p50/p99 {s['median_tpot_ms']:.1f}/{s['p99_tpot_ms']:.1f} ms  "
+               f"prefix-cache hit rate {sum(hits) / len(hits) if hits else 0:.0%}")

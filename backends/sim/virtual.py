@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,6 +206,16 @@ class VirtualFleet:
         return out
 
 
+def engine_tokenizer(engine: EngineConfig) -> Tokenizer:
+    """The tokenizer an engine of ``engine`` loads (seconds from a GGUF): loaded once, shared by a fleet's engines."""
+    from backends.native.weights import default_model_path, open_checkpoint
+
+    if engine.tokenizer:
+        return Tokenizer(Path(engine.tokenizer))
+    path = Path(engine.model_path) if engine.model_path else default_model_path()
+    return Tokenizer(open_checkpoint(path, engine.hf_overrides).tokenizer_path)
+
+
 # ------------------------------------------------------------------------------------------ workloads
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(n)]
@@ -252,12 +261,3 @@ def trace_workload(path: Path, block_size: int = 512, time_scale: float = 1.0, s
             prompt = _tokens(rng, r.input_length)
         requests.append(SimRequest(r.at_s * time_scale, prompt, r.output_length, r.session))
     return requests
-
-
-def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> Iterator[float]:
-    """Arrival offsets at ``rate`` requests/s (Poisson); all at 0 (a burst) when ``rate`` is None."""
-    from loadtest.schedule import Schedule, arrival_offsets
-
-    if rate is None:
-        return iter([0.0] * n)
-    return iter(arrival_offsets(Schedule.poisson, n, rate=rate, seed=seed))
