@@ -85,7 +85,8 @@ class LLMEngine:
         if events.enable_kv_cache_events and events.publisher == "zmq":
             self.kv_events = ZmqEventPublisher(events.endpoint, events.topic)
             self.blocks.events = []
-            self.blocks.medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
+            self.blocks.medium = self.runner.kv_medium if self.runner.picks_tokens else \
+                "GPU" if self.runner.device.type == "cuda" else "CPU"
         self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
         self.vocab_size = checkpoint.config.vocab_size
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, by choice index

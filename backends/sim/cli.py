@@ -67,8 +67,11 @@ def fit(
     if gpu is not None:
         if native:
             raise typer.BadParameter("--native measures this machine's CPU, not a GPU", param_hint="--gpu")
-        base = fitting.gpu_base_profile(name or gpu, gpu)
-        points = [p for path in measured for p in fitting.points_from_file(path)]
+        try:
+            base = fitting.gpu_base_profile(name or gpu, gpu)
+            points = [p for path in measured for p in fitting.points_from_file(path)]
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--gpu / --from") from None
     else:  # a CPU: its measured peaks travel with its steps
         if not native:
             if len(measured) != 1:
@@ -80,8 +83,13 @@ def fit(
     from backends.sim.profile import load_profile
 
     fixed = load_profile(compute_from) if compute_from is not None else None
-    how = "burstgate sim fit " + " ".join(_argv_tail())
-    profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files)
+    how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
+                    *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
+                    *(f"--name {name}",) * bool(name)])
+    try:
+        profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--from") from None
     profile.save(out)
     typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
@@ -94,13 +102,6 @@ def _relative(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def _argv_tail() -> list[str]:
-    import sys
-
-    argv = sys.argv[1:]
-    return argv[argv.index("fit") + 1:] if "fit" in argv else argv
 
 
 def machine() -> str:

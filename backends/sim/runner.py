@@ -73,6 +73,7 @@ class SimulatedRunner:
         self.num_blocks = config.num_blocks or kv_cache_blocks(model, self.block_size, self.kv_dtype,
                                                                self._kv_budget(config, model, tp), tp)
         self.kernels = _Kernels(profile)
+        self.kv_medium = "CPU" if profile.memory_bytes is None else "GPU"  # where its KV events say blocks are
         filler = [t for t in tokenizer.encode(FILLER) if t not in eos_token_ids and t < model.vocab_size]
         self._tokens = itertools.cycle(filler or [0])
         self.last_step_s = 0.0

@@ -1,0 +1,104 @@
+"""Device profiles are fitted, never guessed: the fit finds the parameters that made a set of steps, the committed
+profiles come back from the data they name, and a CPU's steps are measured from the real engine
+(backends/sim/fit.py, `burstgate sim fit`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from backends.sim.fit import StepPoint, fit_profile, model_cost, relative_errors
+from backends.sim.profile import PROFILES_DIR, ProfileSource, StepProfile, load_profile
+from backends.sim.step_time import StepTimeModel, StepWork
+from gateway.cli import app
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _gpu(**changes) -> StepProfile:
+    fields = dict(name="made", device="a made-up GPU", memory_bytes=80 << 30, peak_flops=1e15, bandwidth=3e12,
+                  compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0, per_sequence_s=0.0,
+                  source=ProfileSource(how="test"))
+    return StepProfile(**{**fields, **changes})
+
+
+def test_the_fit_recovers_the_profile_that_made_the_steps():
+    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, per_sequence_s=1e-5,
+                 per_layer_launch_s=1e-4)
+    points = []
+    for model in ("design_12b", "smollm2"):
+        cost = model_cost(model)
+        shapes = [([512] * n, [512] * n) for n in (1, 4, 16)] + [([1] * n, [c] * n) for n in (1, 16, 64, 256)
+                                                                 for c in (512, 2048)]
+        for q, c in shapes:
+            work = StepWork.of(q, c, len(q))
+            points.append(StepPoint(cost, work, StepTimeModel(truth, cost).seconds_of(work)))
+    fitted = fit_profile(points, _gpu())
+    assert fitted.compute_efficiency == pytest.approx(0.5) and fitted.memory_efficiency == pytest.approx(0.8)
+    assert fitted.per_layer_launch_s == pytest.approx(1e-4)
+    assert fitted.step_overhead_s == pytest.approx(0.002, rel=1e-3)
+    assert fitted.per_sequence_s == pytest.approx(1e-5, rel=1e-3)
+    assert fitted.source.max_abs_error < 1e-3
+
+
+def test_too_few_steps_are_refused():
+    cost = model_cost("smollm2")
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_profile([StepPoint(cost, StepWork.of([1], [10], 1), 0.01)], _gpu())
+
+
+@pytest.mark.parametrize("name", ["h200", "h100", "cpu-epyc-2c"])
+def test_each_committed_profile_comes_back_from_the_data_it_names(name, tmp_path):
+    committed = load_profile(name)
+    command = committed.source.how.split()
+    assert command[:3] == ["burstgate", "sim", "fit"]
+    out = tmp_path / f"{name}.json"
+    result = CliRunner().invoke(app, [*command[1:], "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    refitted = json.loads(out.read_text())
+    assert refitted == json.loads((PROFILES_DIR / f"{name}.json").read_text())
+
+
+def test_the_h200_profile_reproduces_its_measured_steps_within_its_stated_error():
+    from backends.sim.fit import points_from_gpu_check
+
+    profile = load_profile("h200")
+    errors = relative_errors(profile, points_from_gpu_check(ROOT / "benchmarks/results/gpu_check_h200.json"))
+    assert max(abs(errors)) == pytest.approx(profile.source.max_abs_error)
+    assert profile.source.median_abs_error < 0.05
+
+
+def test_a_gpu_type_nobody_measured_borrows_the_h100_efficiencies_and_says_so():
+    a100, h100 = load_profile("a100-80g"), load_profile("h100")
+    assert a100.compute_efficiency == h100.compute_efficiency and a100.memory_efficiency == h100.memory_efficiency
+    assert a100.bandwidth == 2039e9 and a100.memory_bytes == 80 << 30
+    assert "not measured" in a100.source.how
+
+
+def test_an_unknown_profile_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="h100"):
+        load_profile("tpu-v5")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "h100"], "fit on measured steps"),
+    (["--native", "--from", "benchmarks/results/gpu_check_h200.json"], "--native measures"),
+    (["--gpu", "tpu", "--from", "benchmarks/results/gpu_check_h200.json"], "unknown GPU"),
+])
+def test_bad_fits_are_usage_errors(args, message, tmp_path):
+    result = CliRunner().invoke(app, ["sim", "fit", *args, "--out", str(tmp_path / "p.json")])
+    assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
+
+
+def test_the_native_engine_is_measured_step_by_step(native_engine):
+    """Every step of a small burst through the real engine, with the batch it ran."""
+    from backends.sim.fit import measure_native
+
+    steps = measure_native(native_engine, [(2, 40, 3)])
+    assert steps[0][0] == [40, 40] and steps[0][1] == [40, 40] and steps[0][2] == 2  # both prompts in one step
+    assert [s[0] for s in steps[1:]] == [[1, 1]] * 2  # then the two decodes for tokens 2 and 3
+    assert all(seconds > 0 for *_, seconds in steps)
+    assert not native_engine.has_unfinished()

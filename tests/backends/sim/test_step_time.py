@@ -1,0 +1,93 @@
+"""The step-time model's arithmetic on a shape small enough to count by hand: each part of a step at the roofline
+of what bounds it (backends/sim/step_time.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.native.config import ModelConfig
+from backends.sim.profile import ProfileSource, StepProfile
+from backends.sim.step_time import StepCost, StepTimeModel
+
+# q = 4 heads x 16 = 64, kv = 2 x 16 = 32: a layer's linear weights (64 + 64) * 64 + 64 * 64 + 3 * 128 * 64 = 36,864
+TINY = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16)
+LINEAR_FLOPS_PER_TOKEN = 2 * 2 * 36_864
+LM_HEAD_FLOPS_PER_ROW = 2 * 1000 * 64
+WEIGHT_BYTES = 2 * (2 * 36_864 + 1000 * 64)  # bf16, the LM head included
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 2  # keys and values, 2 layers, 2 KV heads of 16, bf16
+ATTENTION_FLOPS_PER_PAIR = 4 * 2 * 4 * 16  # QK^T and PV, 2 layers, 4 heads of 16
+
+
+def profile(**changes) -> StepProfile:
+    fields = dict(name="t", device="a test device", peak_flops=1e9, bandwidth=1e6, compute_efficiency=0.5,
+                  memory_efficiency=0.5, step_overhead_s=0.001, per_sequence_s=0.0001, source=ProfileSource(how="test"))
+    return StepProfile(**{**fields, **changes})
+
+
+def test_the_cost_of_a_shape_is_counted_from_its_config():
+    cost = StepCost.of(TINY, 2, 2)
+    assert cost.linear_flops_per_token == LINEAR_FLOPS_PER_TOKEN
+    assert cost.lm_head_flops_per_row == LM_HEAD_FLOPS_PER_ROW
+    assert cost.weight_bytes == WEIGHT_BYTES
+    assert cost.kv_bytes_per_token == KV_BYTES_PER_TOKEN
+    assert cost.attention_flops_per_query_key == ATTENTION_FLOPS_PER_PAIR
+    assert cost.allreduces_per_step == 0
+
+
+def test_a_decode_step_on_a_slow_memory_is_bound_by_the_bytes_it_reads():
+    model = StepTimeModel(profile(), StepCost.of(TINY, 2, 2))
+    seconds = model.seconds([1] * 4, [100] * 4, 4)
+    weights = WEIGHT_BYTES / (1e6 * 0.5)  # four tokens' FLOPs are far less
+    kv = KV_BYTES_PER_TOKEN * (4 * 100 + 4) / (1e6 * 0.5)  # read every context, write the new tokens
+    assert seconds == pytest.approx(0.001 + 4 * 0.0001 + weights + kv)
+
+
+def test_a_prefill_step_on_a_fast_memory_is_bound_by_its_flops():
+    model = StepTimeModel(profile(bandwidth=1e15), StepCost.of(TINY, 2, 2))
+    seconds = model.seconds([10], [10], 1)
+    linear = (10 * LINEAR_FLOPS_PER_TOKEN + LM_HEAD_FLOPS_PER_ROW) / (1e9 * 0.5)
+    pairs = 10 * (10 - 4.5)  # causal: query j sees j + 1 keys
+    attention = ATTENTION_FLOPS_PER_PAIR * pairs / (1e9 * 0.5)
+    assert seconds == pytest.approx(0.001 + 0.0001 + linear + attention, rel=1e-9)
+
+
+def test_a_chunk_after_a_cached_prefix_attends_to_the_prefix_too():
+    model = StepTimeModel(profile(bandwidth=1e15), StepCost.of(TINY, 2, 2))
+    fresh, after_prefix = model.seconds([10], [10], 1), model.seconds([10], [110], 1)
+    assert after_prefix - fresh == pytest.approx(ATTENTION_FLOPS_PER_PAIR * 10 * 100 / (1e9 * 0.5))
+
+
+def test_tensor_parallel_ranks_split_the_work_and_add_two_all_reduces_per_layer():
+    p = profile(bandwidth=1e15, interconnect_bandwidth=1e6, allreduce_latency_s=1e-4)
+    one, two = StepTimeModel(p, StepCost.of(TINY, 2, 2)), StepTimeModel(p, StepCost.of(TINY, 2, 2, tp=2))
+    linear_1, attention_1, _ = one.parts(one_step := _work(one, [10], [10]))
+    linear_2, attention_2, allreduce = two.parts(one_step)
+    assert linear_2 == pytest.approx(linear_1 / 2) and attention_2 == pytest.approx(attention_1 / 2)
+    payload = 10 * 64 * 2 * 2 * (2 - 1) / 2  # 10 tokens of hidden size 64 in bf16; a ring moves 2 (tp-1)/tp of it
+    assert allreduce == pytest.approx(2 * 2 * (1e-4 + payload / 1e6))
+
+
+def test_launches_add_to_a_cpu_step_and_hide_under_a_gpu_step_and_replayed_decodes_have_none():
+    cost = StepCost.of(TINY, 2, 2)
+    cpu = StepTimeModel(profile(per_layer_launch_s=0.01, launches_overlap=False, overlaps_memory=False), cost)
+    gpu = StepTimeModel(profile(per_layer_launch_s=0.01), cost)
+    unlaunched = StepTimeModel(profile(launches_overlap=False, overlaps_memory=False), cost)
+    assert cpu.seconds([10], [10], 1) == pytest.approx(unlaunched.seconds([10], [10], 1) + 2 * 0.01)
+    assert cpu.seconds([1, 1], [50, 50], 2) == pytest.approx(unlaunched.seconds([1, 1], [50, 50], 2))
+    device = sum(gpu.parts(_work(gpu, [10], [10])))
+    assert gpu.seconds([10], [10], 1) == pytest.approx(0.001 + 0.0001 + max(device, 2 * 0.01))
+
+
+def test_a_cpu_waits_for_memory_and_computes_in_turn():
+    cost = StepCost.of(TINY, 2, 2)
+    gpu, cpu = StepTimeModel(profile(), cost), StepTimeModel(profile(overlaps_memory=False), cost)
+    flops_s = (4 * LINEAR_FLOPS_PER_TOKEN + 4 * LM_HEAD_FLOPS_PER_ROW) / (1e9 * 0.5)
+    work = _work(gpu, [1] * 4, [100] * 4)
+    assert cpu.parts(work)[0] - gpu.parts(work)[0] == pytest.approx(flops_s)
+
+
+def _work(model, query_lens, context_lens):
+    from backends.sim.step_time import StepWork
+
+    return StepWork.of(query_lens, context_lens, len(query_lens))
