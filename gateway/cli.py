@@ -317,14 +317,14 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
     if rate is None and trace is None:
         raise typer.BadParameter("an SLO holds at a traffic: give its --rate (or a --trace)", param_hint="--rate")
     engine = EngineConfig(model_path=str(model), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                          gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size or 1)
+                          gpu_memory_utilization=gpu_memory_utilization)
     policy = routing_config(routing)
 
     def workload():
         return build_workload(requests, input_len, output_len, rate, arrivals, 0, trace=trace)
 
     try:
-        plans = [plan_fleet(engine, g, workload, slos, policy, max_replicas) for g in gpus]
+        plans = [plan_fleet(engine, g, workload, slos, policy, max_replicas, tensor_parallel_size) for g in gpus]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model / --tensor-parallel-size") from None
     if plot is not None:

@@ -94,22 +94,22 @@ def fewest_replicas(run: Callable[[int], dict], slos: dict[str, float], max_repl
     return high, [tried[n] for n in sorted(tried)]
 
 
-def plan_fleet(engine: EngineConfig, gpu: str, workload: Callable[[], list[SimRequest]], slos: dict[str, float],
-               routing: PolicyConfig, max_replicas: int = 64) -> FleetPlan:
-    """The fewest replicas of ``engine``'s model on ``gpu`` (its profile; the static plan's tensor-parallel size
-    unless ``engine`` sets one) that serve ``workload`` within ``slos``."""
+def plan_fleet(engine: EngineConfig, profile: str, workload: Callable[[], list[SimRequest]], slos: dict[str, float],
+               routing: PolicyConfig, max_replicas: int = 64, tensor_parallel_size: int | None = None) -> FleetPlan:
+    """The fewest replicas of ``engine``'s model on the device ``profile`` names that serve ``workload`` within
+    ``slos``, each replica split across ``tensor_parallel_size`` GPUs (None: the static plan's choice for the
+    GPU type ``profile`` names, the fewest that hold the model)."""
     from backends.native.planner import plan
     from backends.native.weights import open_checkpoint
 
-    config = open_checkpoint(engine.model_path).config
-    tp = engine.tensor_parallel_size
-    if tp == 1:
-        static = plan(config, gpu, max_num_seqs=engine.max_num_seqs,
+    tp = tensor_parallel_size
+    if tp is None:
+        static = plan(open_checkpoint(engine.model_path).config, profile, max_num_seqs=engine.max_num_seqs,
                       max_num_batched_tokens=engine.max_num_batched_tokens)
         if not static.fits:
-            return FleetPlan(gpu, static.tensor_parallel_size, None, why=static.why or "the model does not fit")
+            return FleetPlan(profile, static.tensor_parallel_size, None, why=static.why or "the model does not fit")
         tp = static.tensor_parallel_size
-    simulated = engine.model_copy(update={"simulate": SimulationConfig(profile=gpu, real_time=False),
+    simulated = engine.model_copy(update={"simulate": SimulationConfig(profile=profile, real_time=False),
                                           "tensor_parallel_size": tp})
     requests, tokenizer = workload(), engine_tokenizer(engine)
 
@@ -118,4 +118,4 @@ def plan_fleet(engine: EngineConfig, gpu: str, workload: Callable[[], list[SimRe
 
     replicas, curve = fewest_replicas(run, slos, max_replicas)
     why = "" if replicas else f"{max_replicas} replicas do not meet the SLO"
-    return FleetPlan(gpu, tp, replicas, curve, why)
+    return FleetPlan(profile, tp, replicas, curve, why)

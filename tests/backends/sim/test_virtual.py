@@ -1,0 +1,84 @@
+"""A fleet of simulated replicas on a virtual clock (backends/sim/virtual.py): the native engine's scheduler and
+block manager in each, the gateway's policies routing, the load tester's metrics over what clients would see."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.native.config import EngineConfig, SimulationConfig
+from backends.sim.virtual import SimRequest, VirtualFleet, burst_workload, conversation_workload
+from gateway.routing.cache_aware import CacheAwareConfig
+from gateway.routing.round_robin import RoundRobinConfig
+from tests.backends.sim.profiles import constant_step_profile
+
+DESIGN = "configs/llama-12.3b-gqa.json"
+
+
+@pytest.fixture(scope="module")
+def h100(smollm2_tokenizer):
+    def fleet(replicas: int, routing=None, **engine) -> VirtualFleet:
+        config = EngineConfig(model_path=DESIGN, simulate=SimulationConfig(profile="h100"), max_num_seqs=64,
+                              max_num_batched_tokens=4096, **engine)
+        return VirtualFleet(config, replicas, routing or RoundRobinConfig(), smollm2_tokenizer)
+
+    return fleet
+
+
+def test_every_request_is_answered_in_full_on_the_simulated_clock(h100):
+    requests = burst_workload(40, 256, 32, [0.1 * i for i in range(40)])
+    fleet = h100(2)
+    result = fleet.run(requests)
+    s = result.summary
+    assert s["completed"] == 40 and s["failed"] == 0 and s["total_output_tokens"] == 40 * 32
+    assert all(r.output_tokens == 32 and len(r.chunk_times) == 32 for r in result.records)
+    assert all(r.actual_send == r.target_send for r in result.records)  # a virtual client is never late
+    assert result.virtual_s >= 3.9  # the last request arrives at 3.9 s
+    assert not any(r.engine.has_unfinished() or r.engine.blocks.usage for r in fleet.replicas)  # nothing left
+
+
+def test_a_replica_runs_one_step_at_a_time_and_tokens_arrive_when_their_step_ends(tmp_path, smollm2_tokenizer):
+    """With every step 0.1 s long, one request of 4 tokens arriving at 0 gets them at 0.1, 0.2, 0.3, 0.4 s; a
+    second arriving at 0.05 joins the second step."""
+    config = EngineConfig(model_path=DESIGN, simulate=SimulationConfig(profile=str(constant_step_profile(tmp_path))))
+    result = VirtualFleet(config, 1, RoundRobinConfig(), smollm2_tokenizer).run(
+        [SimRequest(0.0, list(range(1000, 1010)), 4), SimRequest(0.05, list(range(2000, 2010)), 2)])
+    first, second = result.records
+    assert first.chunk_times == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert second.chunk_times == pytest.approx([0.2, 0.3]) and second.ttft == pytest.approx(0.15)
+
+
+def test_each_turn_of_a_conversation_carries_the_whole_history(h100):
+    requests = conversation_workload(users=2, turns=3, system_len=300, question_len=20, output_len=10,
+                                     arrivals=[0.0, 0.0], think_s=1.0)
+    result = h100(2).run(requests)
+    assert result.summary["completed"] == 6
+    prompts = sorted(r.prompt_tokens for r in result.records)
+    assert prompts == [320, 320, 350, 350, 380, 380]  # + the previous answer (10) and question (20) per turn
+
+
+def test_cache_aware_routing_keeps_conversations_where_their_prefix_is_cached(h100):
+    requests = conversation_workload(users=8, turns=4, system_len=512, question_len=64, output_len=16,
+                                     arrivals=[0.2 * i for i in range(8)], think_s=0.5)
+    aware = h100(4, CacheAwareConfig(block_size=16)).run(requests)
+    spread = h100(4, RoundRobinConfig()).run(requests)
+    assert aware.summary["completed"] == spread.summary["completed"] == 32
+    assert aware.summary["cached_token_rate"] > spread.summary["cached_token_rate"]
+    assert aware.summary["cached_token_rate"] > 0.6
+
+
+def test_a_small_kv_cache_preempts_and_still_answers_everything(h100):
+    result = h100(1, num_blocks=80).run(burst_workload(16, 200, 64, [0.0] * 16))  # 80 x 16 tokens: 4-5 at a time
+    assert result.summary["completed"] == 16
+    assert sum(r["preemptions"] for r in result.per_replica.values()) > 0
+
+
+def test_the_same_workload_and_seed_give_the_same_numbers(h100):
+    requests = burst_workload(30, 128, 16, [0.05 * i for i in range(30)], seed=3)
+    first = h100(3, CacheAwareConfig(block_size=16)).run(requests).summary
+    second = h100(3, CacheAwareConfig(block_size=16)).run(requests).summary
+    assert first == second
+
+
+def test_a_fleet_needs_simulated_engines(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="simulate"):
+        VirtualFleet(EngineConfig(model_path=DESIGN), 2, RoundRobinConfig(), smollm2_tokenizer)
