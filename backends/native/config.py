@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.tool_calls import ToolParserName
 
@@ -55,6 +55,15 @@ class SimulationConfig(BaseModel):
 
     profile: str  # a profile file, a name in backends/sim/profiles, or a GPU type of the planner's
     real_time: bool = True  # sleep each step's modelled time; False: a virtual-time driver keeps the clock
+
+    @field_validator("profile")
+    @classmethod
+    def _known(cls, profile: str) -> str:
+        from backends.sim.profile import profile_names
+
+        if not (profile in profile_names() or (profile.endswith(".json") and Path(profile).is_file())):
+            raise ValueError(f"unknown profile {profile!r}: a profile file, or one of {', '.join(profile_names())}")
+        return profile
 
 
 class EngineConfig(BaseModel):
