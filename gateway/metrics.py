@@ -102,6 +102,9 @@ ENGINE_FIGURES = [
     ("preemptions", "counter", "num_preemptions", "Sequences preempted."),
     ("prefix_cache_queries", "counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hits", "counter", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+]
+# vLLM's only: burstgate:prompt_tokens_total and generation_tokens_total are the gateway's own, per request
+VLLM_ONLY_FIGURES = [
     ("prompt_tokens", "counter", "prompt_tokens", "Prompt tokens computed (prefill)."),
     ("generation_tokens", "counter", "generation_tokens", "Tokens generated."),
 ]
@@ -113,19 +116,21 @@ class _EngineCollector(Collector):
 
     def collect(self):
         families = {}
-        for field, kind, name, help_text in ENGINE_FIGURES:
-            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            families[field] = (family(f"burstgate:{name}", help_text, labels=["model", "backend"]),
-                               family(f"vllm:{name}", help_text, labels=["model_name", "engine"]))
+        for figures, ours_too in ((ENGINE_FIGURES, True), (VLLM_ONLY_FIGURES, False)):
+            for field, kind, name, help_text in figures:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                ours = family(f"burstgate:{name}", help_text, labels=["model", "backend"]) if ours_too else None
+                families[field] = (ours, family(f"vllm:{name}", help_text, labels=["model_name", "engine"]))
         hit_rate = GaugeMetricFamily("burstgate:prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / looked up.", labels=["model", "backend"])
         for model, backend, s in self.engines():
             for field, (ours, vllms) in families.items():
                 value = getattr(s, field)
-                ours.add_metric([model, backend], value)
+                if ours is not None:
+                    ours.add_metric([model, backend], value)
                 vllms.add_metric([model, backend], value)
             hit_rate.add_metric([model, backend], s.prefix_cache_hits / s.prefix_cache_queries
                                 if s.prefix_cache_queries else 0.0)
         for pair in families.values():
-            yield from pair
+            yield from (family for family in pair if family is not None)
         yield hit_rate

@@ -87,10 +87,14 @@ class FleetResult:
 
 class VirtualFleet:
     """``replicas`` simulated engines of ``engine``'s configuration (its ``simulate`` profile, not sleeping),
-    routed by ``routing`` (a policy config of the gateway's)."""
+    routed by ``routing`` (a policy config of the gateway's). ``frontend_s``: the time from a client's send to
+    its engine's queue (HTTP, the gateway, tokenizing), 0 for an ideal front end; it delays every token a client
+    sees by as much. ``kv_events``: a cache-aware policy's index follows the engines' KV events (precise), else
+    only its own routing decisions (approximate)."""
 
     def __init__(self, engine: EngineConfig, replicas: int, routing: PolicyConfig, tokenizer: Tokenizer | None = None,
-                 max_concurrency: int = 1024, seed: int = 0) -> None:
+                 max_concurrency: int = 1024, seed: int = 0, frontend_s: float = 0.0, kv_events: bool = True) -> None:
+        self.frontend_s, self.kv_events = frontend_s, kv_events
         if engine.simulate is None:
             raise ValueError("a virtual fleet runs simulated replicas: the engine config needs `simulate`")
         config = engine.model_copy(update={"simulate": SimulationConfig(profile=engine.simulate.profile,
@@ -129,7 +133,7 @@ class VirtualFleet:
             push(now + replica.engine.runner.last_step_s, "step", (replica, outputs, events_now))
 
         for request in requests:
-            push(request.at_s, "arrive", request)
+            push(request.at_s + self.frontend_s, "arrive", request)
         while events:
             clock, _, kind, payload = heapq.heappop(events)
             if kind == "arrive":
@@ -164,7 +168,8 @@ class VirtualFleet:
         self.policy.dispatched(deployment, routed)
         replica = self._by_deployment[id(deployment)]
         deployment.limiter.in_flight += 1
-        record = RequestRecord(index=index, target_send=request.at_s, actual_send=now, max_tokens=request.max_tokens,
+        record = RequestRecord(index=index, target_send=request.at_s, actual_send=request.at_s,
+                               max_tokens=request.max_tokens,
                                planned_prompt_tokens=len(request.prompt), prompt_tokens=len(request.prompt),
                                fixed_output=True)
         replica.engine.add_request(str(index), request.prompt, params)
@@ -180,12 +185,13 @@ class VirtualFleet:
         self.policy.finished(deployment, flight.routed, answered)
         turn = flight.request.next_turn
         if turn is not None:
-            push(now + turn.think_s, "arrive", SimRequest(now + turn.think_s, [*answered, *turn.question],
-                                                          turn.max_tokens, flight.request.session, turn.next_turn))
+            sent = now + turn.think_s
+            push(sent + self.frontend_s, "arrive", SimRequest(sent, [*answered, *turn.question], turn.max_tokens,
+                                                              flight.request.session, turn.next_turn))
 
     def _apply_kv_events(self, replica: _Replica, kv_events: list) -> None:
         index = getattr(self.policy, "index", None)  # a cache-aware policy's prefix index, kept precise
-        if index is None:
+        if index is None or not self.kv_events:
             return
         name = replica.deployment.name
         for event in kv_events:
@@ -223,12 +229,13 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def burst_workload(n: int, input_len: int, output_len: int, arrivals: list[float], seed: int = 0,
                    prefix_len: int = 0, num_prefixes: int = 1) -> list[SimRequest]:
-    """``n`` prompts of ``input_len`` tokens (the first ``prefix_len`` shared within ``num_prefixes`` groups),
+    """``n`` prompts of ``input_len`` tokens (the first ``prefix_len`` those of one of ``num_prefixes`` groups,
+    drawn at random),
     ``output_len`` out, sent at ``arrivals`` (``loadtest.schedule.arrival_offsets``)."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, prefix_len) for _ in range(num_prefixes)]
-    return [SimRequest(at, prefixes[i % num_prefixes] + _tokens(rng, input_len - prefix_len), output_len)
-            for i, at in zip(range(n), arrivals)]
+    return [SimRequest(at, rng.choice(prefixes) + _tokens(rng, input_len - prefix_len), output_len)
+            for _, at in zip(range(n), arrivals)]
 
 
 def conversation_workload(users: int, turns: int, system_len: int, question_len: int, output_len: int,

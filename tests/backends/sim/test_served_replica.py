@@ -82,11 +82,13 @@ def test_tokenize_and_health_answer_as_on_a_real_replica(fleet):
 
 
 def test_metrics_carry_vllms_names_and_the_kv_events_reach_the_router(fleet, client):
-    url, gateway = fleet
+    url = fleet[0]
     system = "You answer in one short sentence about the weather and nothing else. " * 8
     for _ in range(3):
         client.completions.create(model="design", prompt=system + "Is it raining?", max_tokens=4)
     samples = _samples(url)
+    types = [line.split()[2] for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))  # each family once: vLLM's names beside ours, never twice
     engines = {s.labels["engine"] for s in samples["vllm:num_requests_running"]}
     assert engines == {"replica-0", "replica-1"}
     assert {s.labels["model_name"] for s in samples["vllm:kv_cache_usage_perc"]} == {"design"}

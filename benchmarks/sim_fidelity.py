@@ -1,0 +1,159 @@
+"""How close the simulator comes to what it simulates, on this machine.
+
+1. ``fidelity``: the native engine served here (``burstgate serve``, SmolLM2, the CPU defaults) loaded by
+   ``burstgate loadtest run`` on each workload (a mixed burst, the paper's burst scaled down, a Poisson run,
+   multi-turn conversations), against a simulated replica with this machine's CPU profile on the same requests
+   (the real run's prompt and output lengths and send times, replayed on the virtual clock; conversations chained
+   on simulated answers with the real run's prompt growth per turn). The profile was fitted on other steps (the
+   bursts of ``burstgate sim fit --native``), so these workloads are held out. Goal: output tok/s, TTFT p50 and
+   p99, TPOT p50 within 15%.
+   Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:
+   calibrated once on a lone, unloaded simulated replica served here, ``frontend_s``) and with an ideal one.
+2. ``agreement``: ``--replicas`` simulated replicas of the design's 12.3B model on the H100 profile served in real
+   time behind one gateway (least-outstanding routing) and loaded over HTTP, against the same fleet on the virtual
+   clock on the same requests. Goal: within 10%.
+
+    python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-epyc-2c.json \\
+        --save benchmarks/results/sim_fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import burstgate, free_port, loadtest, run_record, serving
+
+WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
+    "mixed": ["--requests", "64", "--input-len", "32:512", "--output-len", "16:256"],
+    "paper_scaled": ["--requests", "32", "--input-len", "512", "--output-len", "64"],
+    "poisson": ["--requests", "60", "--input-len", "128", "--output-len", "32", "--rate", "1", "--schedule", "poisson"],
+    "multi_turn": ["--endpoint", "chat", "--users", "4", "--turns", "3", "--system-prompt-len", "256", "--question-len", "32",
+                   "--output-len", "32"],
+}
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
+DESIGN = "configs/llama-12.3b-gqa.json"
+
+
+def serve(stack: contextlib.ExitStack, deployments: list[dict], routing: str = "least_outstanding") -> str:
+    """``burstgate serve`` of one model made of ``deployments``: its URL for the life of ``stack``."""
+    port, config = free_port(), Path(tempfile.mkdtemp()) / "config.json"  # JSON is YAML
+    config.write_text(json.dumps({"models": [{"name": "m", "routing": routing, "deployments": deployments}]}))
+    return stack.enter_context(serving(burstgate("serve", "--port", str(port), "--config", str(config),
+                                                 "--log-level", "warning"), port))
+
+
+def replayed(result: dict) -> list:
+    """The requests of a real run as the simulator takes them: its lengths, sent when they were sent."""
+    from backends.sim.virtual import SimRequest, burst_workload
+
+    start = min(result["start_times"])
+    requests = []
+    for i, (n_in, n_out, sent) in enumerate(zip(result["input_lens"], result["output_lens"], result["start_times"])):
+        (prompt,) = burst_workload(1, n_in, n_out, [sent - start], seed=i)
+        requests.append(SimRequest(prompt.at_s, prompt.prompt, n_out))
+    return requests
+
+
+def conversations(result: dict, users: int, turns: int, output_len: int) -> list:
+    """Conversations whose first prompt and growth per turn are the real run's (template tokens included)."""
+    from backends.sim.virtual import conversation_workload
+
+    lengths = sorted(result["input_lens"])
+    first, last = lengths[0], lengths[-1]
+    question = (last - first) // (turns - 1) - output_len  # each turn adds an answer and a question
+    return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users)
+
+
+def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0,
+             routing: str = "least_outstanding") -> dict:
+    from backends.native.config import EngineConfig
+    from backends.sim.cli import routing_config
+    from backends.sim.virtual import VirtualFleet, engine_tokenizer
+
+    config = EngineConfig(**engine)
+    fleet = VirtualFleet(config, replicas, routing_config(routing), engine_tokenizer(config), frontend_s=frontend_s)
+    return fleet.run(requests).summary
+
+
+def compare(real: dict, simulated: dict) -> dict:
+    return {m: {"real": real[m], "simulated": simulated[m], "ratio": simulated[m] / real[m] if real[m] else None}
+            for m in METRICS}
+
+
+def calibrate_frontend(out: Path) -> float:
+    """Seconds the served path adds before a request's engine sees it (HTTP, the gateway, tokenizing): the median
+    TTFT of a lone simulated replica, unloaded (20 requests at 2/s), served and loaded over HTTP, less the same on
+    the virtual clock with an ideal front end."""
+    engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}}
+    with contextlib.ExitStack() as stack:
+        url = serve(stack, [{"kind": "native", "name": "replica", **engine}])
+        result = loadtest(f"{url}#m", out / "frontend", "--requests", "20", "--input-len", "512", "--output-len", "16",
+                          "--rate", "2", "--schedule", "poisson", "--seed", "1", log=out / "frontend.log")
+    simulated = simulate(engine, 1, replayed(result))
+    return (result["median_ttft_ms"] - simulated["median_ttft_ms"]) / 1e3
+
+
+def fidelity(profile: str, workloads: list[str], frontend_s: float, out: Path) -> dict:
+    rows = {}
+    with contextlib.ExitStack() as stack:
+        url = serve(stack, [{"kind": "native", "name": "native"}])
+        for name in workloads:
+            result = loadtest(f"{url}#m", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
+            requests = conversations(result, 4, 3, 32) if name == "multi_turn" else replayed(result)
+            engine = {"simulate": {"profile": profile}}
+            rows[name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
+                          "ideal_frontend": compare(result, simulate(engine, 1, requests))}
+            print(name, _ratios(rows[name]), flush=True)
+    return rows
+
+
+def agreement(replicas: int, rate: float, requests: int, frontend_s: float, out: Path) -> dict:
+    engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}, "max_num_seqs": 64}
+    deployments = [{"kind": "native", "name": f"replica-{i}", **engine} for i in range(replicas)]
+    with contextlib.ExitStack() as stack:
+        url = serve(stack, deployments)
+        result = loadtest(f"{url}#m", out / "agreement", "--requests", str(requests), "--input-len", "512",
+                          "--output-len", "128", "--rate", str(rate), "--schedule", "poisson", "--seed", "0",
+                          log=out / "agreement.log")
+    sent = replayed(result)
+    row = {"with_frontend": compare(result, simulate(engine, replicas, sent, frontend_s)),
+           "ideal_frontend": compare(result, simulate(engine, replicas, sent))}
+    print("agreement", _ratios(row), flush=True)
+    return row
+
+
+def _ratios(row: dict) -> str:
+    return json.dumps({kind: {m: round(v["ratio"], 3) for m, v in metrics.items()} for kind, metrics in row.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="this machine's CPU profile (burstgate sim fit --native)")
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
+    ap.add_argument("--replicas", type=int, default=4, help="fleet size of the real-time/virtual agreement")
+    ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
+    ap.add_argument("--requests", type=int, default=300, help="its requests")
+    ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
+    record = run_record()
+    record["frontend_s"] = frontend_s = calibrate_frontend(out)
+    print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
+    if "fidelity" not in args.skip:
+        record["fidelity"] = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out)
+    if "agreement" not in args.skip:
+        record["agreement"] = {"replicas": args.replicas, "rate": args.rate, "requests": args.requests,
+                               **agreement(args.replicas, args.rate, args.requests, frontend_s, out)}
+    if args.save:
+        args.save.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
