@@ -15,6 +15,9 @@ the routers, their order alternating. Reported per run: output tok/s, TTFT p50/p
 hit rate over the run (their own counters), requests per replica; medians over rounds.
 
     python benchmarks/fleet_routing.py --rounds 2 --save benchmarks/results/fleet_routing.json
+
+With ``--simulate h100``, the replicas are simulated 12.3B replicas on the H100 profile (backends/sim), served in
+real time: the routers compared at GPU speeds on this machine.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ WORKLOADS = {
     "shared-prefix": ["--endpoint", "chat", "--requests", "64", "--input-len", "448", "--prefix-len", "384",
                       "--num-prefixes", "4", "--output-len", "16"],
     "random": ["--endpoint", "chat", "--requests", "64", "--input-len", "256", "--output-len", "16"],
+    # for simulated GPU replicas (--simulate): production-stack's multi-round QA shape, scaled to fit real time here
+    "multi-turn-gpu": ["--endpoint", "chat", "--users", "48", "--turns", "4", "--system-prompt-len", "1000",
+                       "--question-len", "200", "--output-len", "64", "--think-time", "1"],
 }
 # gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
 POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@256", "cache_aware@64",
@@ -51,17 +57,24 @@ POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 
 
-def start_replica(stack: contextlib.ExitStack, index: int, logs: Path) -> tuple[str, str]:
-    """One native engine replica: its URL and the endpoint of its KV events."""
+def start_replica(stack: contextlib.ExitStack, index: int, logs: Path, simulate: str | None = None) -> tuple[str, str]:
+    """One native engine replica (or, with ``simulate``, a simulated replica of the design's 12.3B model on that
+    device profile, in real time): its URL and the endpoint of its KV events."""
     port, events = free_port(), free_port()
-    deployment = {"kind": "native", "dtype": "float32", "num_threads": 1, "max_num_seqs": 32,
-                  "max_num_batched_tokens": 512, "kv_cache_gb": 0.5, "block_size": 16, "max_concurrency": 512,
-                  "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}"}}
+    kv_events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}"}
+    if simulate:
+        deployment = {"kind": "native", "model_path": "configs/llama-12.3b-gqa.json", "simulate": {"profile": simulate},
+                      "max_num_seqs": 64, "max_num_batched_tokens": 4096, "block_size": 16, "max_concurrency": 512,
+                      "kv_events_config": kv_events}
+    else:
+        deployment = {"kind": "native", "dtype": "float32", "num_threads": 1, "max_num_seqs": 32,
+                      "max_num_batched_tokens": 512, "kv_cache_gb": 0.5, "block_size": 16, "max_concurrency": 512,
+                      "kv_events_config": kv_events}
     config = Path(tempfile.mkdtemp()) / "replica.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "deployments": [deployment]}]}))
     core = str(index % os.cpu_count())
-    cmd = ["taskset", "-c", core, *burstgate("serve", "--port", str(port), "--config", str(config),
-                                             "--log-level", "warning")]
+    serve = burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
+    cmd = serve if simulate else ["taskset", "-c", core, *serve]  # a simulated replica sleeps through its steps
     url = stack.enter_context(serving(cmd, port, log=logs / f"replica-{index}.log"))
     return url, f"tcp://127.0.0.1:{events}"
 
@@ -130,6 +143,8 @@ def main() -> None:
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
     ap.add_argument("--policy", action="append", choices=POLICIES, help="gateway targets (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
+    ap.add_argument("--simulate", metavar="PROFILE", help="simulated replicas of the 12.3B model on this device "
+                    "profile (backends/sim), served in real time, instead of SmolLM2 on this CPU")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     workloads, policies = args.workload or list(WORKLOADS), args.policy or POLICIES
@@ -137,7 +152,7 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
-        replicas = [start_replica(stack, i, logs) for i in range(args.replicas)]
+        replicas = [start_replica(stack, i, logs, args.simulate) for i in range(args.replicas)]
         targets = {}
         for policy in policies:
             port = free_port()
@@ -166,7 +181,8 @@ def main() -> None:
     for line in table:
         print(line)
     if args.save:
-        args.save.write_text(json.dumps({**run_record(), "replicas": args.replicas, "workloads": WORKLOADS,
+        args.save.write_text(json.dumps({**run_record(), "replicas": args.replicas, "simulate": args.simulate,
+                                         "workloads": {w: WORKLOADS[w] for w in workloads},
                                          "runs": runs, "table": table}, indent=2))
 
 

@@ -57,9 +57,9 @@ def scale(sizes: list[int], policies: list[str]) -> dict:
     return out
 
 
-def llmd(rates: list[float], seconds: float) -> dict:
+def llmd(rates: list[float], seconds: float, num_blocks: int | None = None) -> dict:
     engine = EngineConfig(model_path="configs/llama-3.1-8b.json", simulate=SimulationConfig(profile="h100"),
-                          max_model_len=8448)
+                          max_model_len=8448, num_blocks=num_blocks)
     tokenizer = engine_tokenizer(engine)
     variants = {"precise (cache_aware, KV events)": ("cache_aware", True),
                 "approximate (cache_aware, decisions only)": ("cache_aware", False),
@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--policies", default="round_robin,least_outstanding,prefix_affinity,cache_aware")
     ap.add_argument("--rates", default="3,10,30,60", help="llm-d shape: QPS")
     ap.add_argument("--seconds", type=float, default=60.0, help="llm-d shape: seconds of arrivals per rate")
+    ap.add_argument("--num-blocks", type=int, help="llm-d shape: KV blocks per replica (default: what an H100 "
+                    "holds); fewer puts the prefix caches under pressure")
     ap.add_argument("--skip", action="append", default=[], choices=["scale", "llmd"])
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
@@ -88,7 +90,8 @@ def main() -> None:
     if "scale" not in args.skip:
         record["scale"] = scale([int(x) for x in args.sizes.split(",")], args.policies.split(","))
     if "llmd" not in args.skip:
-        record["llmd"] = llmd([float(x) for x in args.rates.split(",")], args.seconds)
+        record["llmd"] = llmd([float(x) for x in args.rates.split(",")], args.seconds, args.num_blocks)
+        record["llmd_num_blocks"] = args.num_blocks
     if args.save:
         args.save.write_text(json.dumps(record, indent=1) + "\n")
 
