@@ -8,6 +8,7 @@ runs it, with the batch it ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -246,7 +247,8 @@ def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = C
         flops, bandwidth = measure_cpu_peaks(engine.runner.dtype)
         steps = measure_native(engine, bursts)
         return {"what": "native engine steps on a CPU, for `burstgate sim fit --from`", "machine": machine(),
-                "model": str(engine.model_path), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                "model": engine.model_path.name, "model_config": dataclasses.asdict(engine.model_config),
+                "dtype": str(engine.runner.dtype).removeprefix("torch."),
                 "kv_dtype_bytes": engine.runner.kv_dtype.itemsize, "block_size": engine.blocks.block_size,
                 "fused_steps": engine.runner.fused is not None, "peaks": {"flops": flops, "bandwidth": bandwidth},
                 "bursts": bursts, "steps": steps}
@@ -258,7 +260,8 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
     """The points of ``measure_cpu_steps``'s record (or its saved file's contents)."""
     from backends.native.config import torch_dtype_named
 
-    cost = model_cost(steps["model"], torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
+    config = ModelConfig(**steps["model_config"])  # the shape travels with the steps: no checkpoint needed
+    cost = StepCost.of(config, torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
     return [StepPoint(cost, StepWork.of(q, c, rows), seconds) for q, c, rows, seconds in steps["steps"]]
 
 
