@@ -230,8 +230,8 @@ class PlanDtype(StrEnum):
 def plan(
     model: Annotated[Path, typer.Option(exists=True, metavar="PATH",
                                         help="HF directory, .gguf or config.json (only the config is read).")],
-    gpu: Annotated[list[GpuName], typer.Option(help="GPU type (datasheet memory, bandwidth and bf16 peak); "
-                                               "repeat to compare types.")],
+    gpu: Annotated[list[GpuName], typer.Option(metavar="GPU", help=f"GPU type, one of {'|'.join(GPUS)} (datasheet "
+                                               "memory, bandwidth and bf16 peak); repeat to compare types.")],
     dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.")] = PlanDtype.bfloat16,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="GPUs per model; default: "
                                                              "the fewest that fit.")] = None,

@@ -180,7 +180,7 @@ def run(
     max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.")] = 8192,
     tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.")] = 1,
-    seed: Annotated[int, typer.Option(metavar="N")] = 0,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the prompts, arrivals and tie-breaks.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """A fleet of simulated replicas on a virtual clock, routed by the gateway's own policies: what a client
