@@ -249,6 +249,9 @@ def plan(
     arrivals: Annotated[str, typer.Option(metavar="KIND", help="With --slo: poisson, constant or gamma.")] = "poisson",
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: a "
                                                "Mooncake-format trace as the traffic instead.")] = None,
+    dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: "
+                                                 "prompts from a load-test dataset (JSONL, ShareGPT or Alpaca JSON), "
+                                                 "with its own output lengths, at --rate.")] = None,
     routing: Annotated[str, typer.Option(metavar="POLICY", help="With --slo: the routing policy.")] = "cache_aware",
     max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.")] = 64,
     plot: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE.png", help="With --slo: the curves "
@@ -260,8 +263,9 @@ def plan(
     from backends.native.weights import open_checkpoint
 
     if slo:
-        _plan_for_slo(model, [g.value for g in gpu], slo, rate, requests, arrivals, trace, input_len, output_len,
-                      tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing, max_replicas, plot, as_json)
+        _plan_for_slo(model, [g.value for g in gpu], slo, rate, requests, arrivals, trace, dataset, input_len,
+                      output_len, tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing, max_replicas,
+                      plot, as_json)
         return
     from backends.native.planner import plan as make_plan
 
@@ -302,13 +306,15 @@ def _print_static_plan(model: Path, gpu: str, dtype: str, input_len: int, output
 
 
 def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: float | None, requests: int,
-                  arrivals: str, trace: Path | None, input_len: int, output_len: int, tensor_parallel_size: int | None,
+                  arrivals: str, trace: Path | None, dataset: Path | None, input_len: int, output_len: int,
+                  tensor_parallel_size: int | None,
                   max_num_seqs: int, gpu_memory_utilization: float, routing: str, max_replicas: int,
                   plot: Path | None, as_json: bool) -> None:
     """``plan --slo``: per GPU type, the fewest replicas whose simulated fleet meets every SLO."""
     from backends.native.config import EngineConfig
     from backends.sim.capacity import parse_slo, plan_fleet
     from backends.sim.cli import build_workload, routing_config
+    from backends.sim.virtual import engine_tokenizer
 
     try:
         slos = dict(parse_slo(text) for text in slo_texts)
@@ -321,7 +327,9 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
     policy = routing_config(routing)
 
     def workload():
-        return build_workload(requests, input_len, output_len, rate, arrivals, 0, trace=trace)
+        tokenizer = engine_tokenizer(engine) if dataset else None
+        return build_workload(requests, input_len, None if dataset else output_len, rate, arrivals, 0, trace=trace,
+                              dataset=dataset, tokenizer=tokenizer)
 
     try:
         plans = [plan_fleet(engine, g, workload, slos, policy, max_replicas, tensor_parallel_size) for g in gpus]
@@ -335,7 +343,8 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
         typer.echo(json.dumps({"slos_ms": slos, "rate": rate, "plans": [p.as_dict(slos) for p in plans]}, indent=2))
         return
     limits = ", ".join(f"{k} <= {v:g}" for k, v in slos.items())
-    traffic = f"trace {trace.name}" if trace else f"{rate:g} req/s ({input_len} in, {output_len} out)"
+    traffic = (f"trace {trace.name}" if trace else f"{dataset.name} at {rate:g} req/s" if dataset
+               else f"{rate:g} req/s ({input_len} in, {output_len} out)")
     typer.echo(f"{model.name}, {traffic}, {limits}, routing {routing} (simulated fleets, backends/sim):")
     for p in plans:
         answer = f"{p.replicas} replicas x TP {p.tensor_parallel_size} = {p.gpus} GPUs" if p.replicas else p.why

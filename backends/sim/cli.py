@@ -119,17 +119,20 @@ Arrivals = Annotated[str, typer.Option(metavar="KIND", help="Arrival process at 
                                        "(the load tester's).")]
 
 
-def build_workload(requests: int, input_len: int, output_len: int, rate: float | None, arrivals: str, seed: int,
-                   prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1, question_len: int = 64,
-                   think_time: float = 0.0, trace: Path | None = None, time_scale: float = 1.0) -> list:
-    """The simulated requests the options describe: a trace, conversations (``turns`` > 1, the shared system
-    prompt ``prefix_len`` long), or single prompts (sharing ``prefix_len`` tokens within ``num_prefixes`` groups)."""
+def build_workload(requests: int, input_len: int, output_len: int | None, rate: float | None, arrivals: str,
+                   seed: int, prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1, question_len: int = 64,
+                   think_time: float = 0.0, trace: Path | None = None, time_scale: float = 1.0,
+                   dataset: Path | None = None, tokenizer=None) -> list:
+    """The simulated requests the options describe: a trace, a load-test dataset (its prompts through
+    ``tokenizer``; its own output lengths unless ``output_len``), conversations (``turns`` > 1, the shared
+    system prompt ``prefix_len`` long), or single prompts (sharing ``prefix_len`` tokens within ``num_prefixes``
+    groups)."""
     from backends.sim import virtual
     from loadtest.schedule import Schedule, arrival_offsets
 
     if trace is not None:
         return virtual.trace_workload(trace, time_scale=time_scale, seed=seed)
-    if prefix_len >= input_len and turns == 1:
+    if prefix_len >= input_len and turns == 1 and dataset is None:
         raise typer.BadParameter(f"the shared prefix ({prefix_len}) must be shorter than the prompt ({input_len})",
                                  param_hint="--prefix-len")
     try:
@@ -137,6 +140,12 @@ def build_workload(requests: int, input_len: int, output_len: int, rate: float |
         offsets = arrival_offsets(schedule, requests, rate=rate, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--arrivals") from None
+    if dataset is not None:
+        try:
+            return virtual.dataset_workload(dataset, tokenizer, requests, output_len, offsets, seed)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--dataset") from None
+    output_len = output_len or 128
     if turns > 1:
         return virtual.conversation_workload(requests, turns, prefix_len, question_len, output_len, offsets,
                                              think_time, seed)
@@ -163,7 +172,8 @@ def run(
     routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.")] = "cache_aware",
     requests: Requests = 100,
     input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.")] = 512,
-    output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens (fixed).")] = 128,
+    output_len: Annotated[int | None, typer.Option(min=1, metavar="N", help="Output tokens (fixed; default 128, "
+                                                   "or a --dataset's own).")] = None,
     rate: Rate = None,
     arrivals: Arrivals = "poisson",
     prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens shared by prompts of a group (with "
@@ -177,6 +187,8 @@ def run(
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
                                                help="A Mooncake-format trace instead.")] = None,
     time_scale: Annotated[float, typer.Option(min=0.0001, metavar="X", help="Trace times multiplied by X.")] = 1.0,
+    dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Prompts from "
+                                                 "a load-test dataset (JSONL, ShareGPT or Alpaca JSON) instead.")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.")] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.")] = 8192,
     tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.")] = 1,
@@ -194,9 +206,10 @@ def run(
         engine = EngineConfig(model_path=str(model), simulate=SimulationConfig(profile=profile, real_time=False),
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               tensor_parallel_size=tensor_parallel_size)
+        tokenizer = engine_tokenizer(engine)
         work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, turns,
-                              question_len, think_time, trace, time_scale)
-        fleet = VirtualFleet(engine, replicas, routing_config(routing), engine_tokenizer(engine), seed=seed)
+                              question_len, think_time, trace, time_scale, dataset, tokenizer)
+        fleet = VirtualFleet(engine, replicas, routing_config(routing), tokenizer, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     started = time.perf_counter()

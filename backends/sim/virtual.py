@@ -253,6 +253,17 @@ def conversation_workload(users: int, turns: int, system_len: int, question_len:
     return requests
 
 
+def dataset_workload(path: Path, tokenizer: Tokenizer, n: int | None, output_len: int | None, arrivals: list[float],
+                     seed: int = 0) -> list[SimRequest]:
+    """The load tester's datasets (``loadtest.workload.from_file``: JSONL, ShareGPT, Alpaca): each prompt as the
+    engine's tokenizer counts it (prompts that share text share their cached blocks), its own output length
+    unless ``output_len``, sent at ``arrivals``."""
+    from loadtest.workload import from_file
+
+    specs = from_file(path, tokenizer, n, output_len, seed)
+    return [SimRequest(at, tokenizer.encode(spec.prompt), spec.max_tokens) for spec, at in zip(specs, arrivals)]
+
+
 def trace_workload(path: Path, block_size: int = 512, time_scale: float = 1.0, seed: int = 0) -> list[SimRequest]:
     """A Mooncake-format trace (``loadtest.trace``): requests with equal ``hash_ids`` share those prompt blocks."""
     from loadtest.trace import read_trace

@@ -82,3 +82,24 @@ def test_the_same_workload_and_seed_give_the_same_numbers(h100):
 def test_a_fleet_needs_simulated_engines(smollm2_tokenizer):
     with pytest.raises(ValueError, match="simulate"):
         VirtualFleet(EngineConfig(model_path=DESIGN), 2, RoundRobinConfig(), smollm2_tokenizer)
+
+
+def test_a_load_test_dataset_runs_with_its_own_output_lengths_and_shared_text_is_cached(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    shared = "You are a careful assistant who answers questions about ships and the sea. " * 12
+    lines = [{"prompt": shared + "What is a keel?", "max_tokens": 5}, {"prompt": shared + "What is a mast?",
+                                                                      "max_tokens": 7},
+             {"prompt": "Tell me about rivers.", "max_tokens": 9}]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = CliRunner().invoke(app, ["sim", "run", "--model", DESIGN, "--dataset", str(dataset), "--requests", "3",
+                                      "--rate", "1", "--arrivals", "constant", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)["summary"]
+    assert summary["completed"] == 3 and summary["total_output_tokens"] == 5 + 7 + 9
+    assert summary["cached_token_rate"] > 0  # the second of the two sharing their start found it cached
