@@ -59,10 +59,9 @@ class SimulationConfig(BaseModel):
     @field_validator("profile")
     @classmethod
     def _known(cls, profile: str) -> str:
-        from backends.sim.profile import profile_names
+        from backends.sim.profile import load_profile
 
-        if not (profile in profile_names() or (profile.endswith(".json") and Path(profile).is_file())):
-            raise ValueError(f"unknown profile {profile!r}: a profile file, or one of {', '.join(profile_names())}")
+        load_profile(profile)  # a bad name or file is refused where the config is read, not when the engine starts
         return profile
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backends.native.gpus import GPUS
 
@@ -67,8 +67,11 @@ def profile_names() -> list[str]:
 def load_profile(name: str) -> StepProfile:
     """A profile by file path, by name in ``profiles/``, or derived for a GPU type of ``gpus.GPUS``."""
     path = Path(name)
-    if path.suffix == ".json" and path.exists():
-        return StepProfile.model_validate_json(path.read_text())
+    if path.suffix == ".json" and path.is_file():
+        try:
+            return StepProfile.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            raise ValueError(f"{path} is not a device profile: {exc}") from None
     shipped = PROFILES_DIR / f"{name}.json"
     if shipped.exists():
         return StepProfile.model_validate_json(shipped.read_text())

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backends.base import EngineStats, GenerationRequest, SamplingParams
+from backends.base import EngineStats, GenerationRequest, InvalidRequestError, SamplingParams
 from backends.kv_events import BlockRemoved, BlockStored
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.native.engine import LLMEngine
@@ -138,11 +138,12 @@ class VirtualFleet:
             clock, _, kind, payload = heapq.heappop(events)
             if kind == "arrive":
                 request = payload
-                flight = self._dispatch(request, clock, len(records))
-                records.append(flight.record)
-                flights[str(flight.record.index)] = flight
-                if not flight.replica.busy:
-                    start_step(flight.replica, clock)
+                record, flight = self._dispatch(request, clock, len(records))
+                records.append(record)
+                if flight is not None:
+                    flights[str(record.index)] = flight
+                    if not flight.replica.busy:
+                        start_step(flight.replica, clock)
                 continue
             replica, outputs, kv_events = payload
             self._apply_kv_events(replica, kv_events)
@@ -157,8 +158,18 @@ class VirtualFleet:
         return FleetResult(summarize(records, clock - min((r.target_send for r in records), default=0.0)),
                            records, self._per_replica(), steps, clock)
 
-    def _dispatch(self, request: SimRequest, now: float, index: int) -> _Flight:
+    def _dispatch(self, request: SimRequest, now: float, index: int) -> tuple[RequestRecord, _Flight | None]:
+        """The request's record and its flight on the replica the policy chose; no flight for a request every
+        replica refuses (as a served one answers 400: the record says why)."""
         params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0)
+        record = RequestRecord(index=index, target_send=request.at_s, actual_send=request.at_s,
+                               max_tokens=request.max_tokens, planned_prompt_tokens=len(request.prompt),
+                               prompt_tokens=len(request.prompt), fixed_output=True)
+        try:  # the replicas are alike: one's admission check is every one's
+            self.replicas[0].engine.check_request(request.prompt, params)
+        except InvalidRequestError as exc:
+            record.end, record.error_kind, record.error = now, "http_400", exc.message
+            return record, None
         generation = GenerationRequest(request_id=str(index), model="simulated", params=params, prompt=request.prompt,
                                        user=request.session)
         routed = RoutedRequest(generation, tokens=request.prompt, tokens_source="request", session=request.session)
@@ -168,12 +179,8 @@ class VirtualFleet:
         self.policy.dispatched(deployment, routed)
         replica = self._by_deployment[id(deployment)]
         deployment.limiter.in_flight += 1
-        record = RequestRecord(index=index, target_send=request.at_s, actual_send=request.at_s,
-                               max_tokens=request.max_tokens,
-                               planned_prompt_tokens=len(request.prompt), prompt_tokens=len(request.prompt),
-                               fixed_output=True)
         replica.engine.add_request(str(index), request.prompt, params)
-        return _Flight(request, record, replica, routed)
+        return record, _Flight(request, record, replica, routed)
 
     def _finish(self, flight: _Flight, chunk, now: float, push) -> None:
         record, deployment = flight.record, flight.replica.deployment

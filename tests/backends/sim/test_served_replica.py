@@ -108,3 +108,12 @@ def test_serve_simulate_makes_a_simulated_deployment_and_refuses_unknown_profile
 
     with pytest.raises(typer.BadParameter, match="unknown profile"):
         build_settings(None, Path(DESIGN), simulate="tpu-v5")
+
+
+def test_a_profile_file_that_is_no_profile_is_refused_where_the_config_is_read(tmp_path):
+    import typer
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x"}')
+    with pytest.raises(typer.BadParameter, match="is not a device profile"):
+        build_settings(None, Path(DESIGN), simulate=str(bad))

@@ -103,3 +103,11 @@ def test_a_load_test_dataset_runs_with_its_own_output_lengths_and_shared_text_is
     summary = json.loads(result.output)["summary"]
     assert summary["completed"] == 3 and summary["total_output_tokens"] == 5 + 7 + 9
     assert summary["cached_token_rate"] > 0  # the second of the two sharing their start found it cached
+
+
+def test_a_request_no_replica_can_take_fails_as_a_400_would_and_the_rest_run(h100):
+    too_long = SimRequest(0.0, list(range(1000, 1000 + 4090)), 64)  # 4,154 tokens: past the model's 4,096
+    result = h100(2).run([too_long, *burst_workload(3, 64, 8, [0.0] * 3)])
+    s = result.summary
+    assert s["completed"] == 3 and s["failed"] == 1 and s["failures_by_kind"] == {"http_400": 1}
+    assert "maximum context length" in result.records[0].error
