@@ -326,13 +326,15 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
                           gpu_memory_utilization=gpu_memory_utilization)
     policy = routing_config(routing)
 
-    def workload():
-        tokenizer = engine_tokenizer(engine) if dataset else None
-        return build_workload(requests, input_len, None if dataset else output_len, rate, arrivals, 0, trace=trace,
-                              dataset=dataset, tokenizer=tokenizer)
-
+    tokenizer = engine_tokenizer(engine)  # loaded once: the dataset's prompts and every simulated engine
     try:
-        plans = [plan_fleet(engine, g, workload, slos, policy, max_replicas, tensor_parallel_size) for g in gpus]
+        work = build_workload(requests, input_len, None if dataset else output_len, rate, arrivals, 0, trace=trace,
+                              dataset=dataset, tokenizer=tokenizer)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    try:
+        plans = [plan_fleet(engine, g, work, slos, policy, max_replicas, tensor_parallel_size, tokenizer)
+                 for g in gpus]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model / --tensor-parallel-size") from None
     if plot is not None:

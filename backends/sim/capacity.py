@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.sim.virtual import SimRequest, VirtualFleet, engine_tokenizer
+from backends.tokenizer import Tokenizer
 from gateway.routing.policy import PolicyConfig
 
 SLO_PATTERN = re.compile(r"^(ttft|tpot|itl|e2el)_(mean|median|p50|p90|p95|p99)_ms$")
@@ -94,11 +95,12 @@ def fewest_replicas(run: Callable[[int], dict], slos: dict[str, float], max_repl
     return high, [tried[n] for n in sorted(tried)]
 
 
-def plan_fleet(engine: EngineConfig, profile: str, workload: Callable[[], list[SimRequest]], slos: dict[str, float],
-               routing: PolicyConfig, max_replicas: int = 64, tensor_parallel_size: int | None = None) -> FleetPlan:
-    """The fewest replicas of ``engine``'s model on the device ``profile`` names that serve ``workload`` within
+def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], slos: dict[str, float],
+               routing: PolicyConfig, max_replicas: int = 64, tensor_parallel_size: int | None = None,
+               tokenizer: Tokenizer | None = None) -> FleetPlan:
+    """The fewest replicas of ``engine``'s model on the device ``profile`` names that serve ``requests`` within
     ``slos``, each replica split across ``tensor_parallel_size`` GPUs (None: the static plan's choice for the
-    GPU type ``profile`` names, the fewest that hold the model)."""
+    GPU type ``profile`` names, the fewest that hold the model); ``tokenizer``: the engines', if loaded already."""
     from backends.native.planner import plan
     from backends.native.weights import open_checkpoint
 
@@ -111,7 +113,7 @@ def plan_fleet(engine: EngineConfig, profile: str, workload: Callable[[], list[S
         tp = static.tensor_parallel_size
     simulated = engine.model_copy(update={"simulate": SimulationConfig(profile=profile, real_time=False),
                                           "tensor_parallel_size": tp})
-    requests, tokenizer = workload(), engine_tokenizer(engine)
+    tokenizer = tokenizer or engine_tokenizer(engine)
 
     def run(replicas: int) -> dict:
         return VirtualFleet(simulated, replicas, routing, tokenizer).run(requests).summary

@@ -25,10 +25,8 @@ def test_the_answer_is_the_one_known_by_construction(tmp_path):
     profile = str(constant_step_profile(tmp_path))
     engine = EngineConfig(model_path=DESIGN, max_num_seqs=1)
 
-    def workload():
-        return burst_workload(200, 32, 1, arrival_offsets(Schedule.constant, 200, rate=35.0))
-
-    result = plan_fleet(engine, profile, workload, {"p99_ttft_ms": 150.0}, RoundRobinConfig(), max_replicas=16,
+    requests = burst_workload(200, 32, 1, arrival_offsets(Schedule.constant, 200, rate=35.0))
+    result = plan_fleet(engine, profile, requests, {"p99_ttft_ms": 150.0}, RoundRobinConfig(), max_replicas=16,
                         tensor_parallel_size=1)
     assert result.replicas == 4 and result.gpus == 4
     by_size = {p.replicas: p for p in result.curve}
