@@ -59,8 +59,15 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def serve_deployment(stack: contextlib.ExitStack, deployment: dict) -> str:
     """``burstgate serve`` with one model made of ``deployment``, for the life of ``stack``: its URL."""
+    return serve_model(stack, [deployment])
+
+
+def serve_model(stack: contextlib.ExitStack, deployments: list[dict], routing: str | None = None) -> str:
+    """``burstgate serve`` of one model (MODEL) made of ``deployments`` routed by ``routing`` (default: the
+    gateway's), for the life of ``stack``: its URL."""
     port, config = free_port(), Path(tempfile.mkdtemp()) / "config.json"  # JSON is YAML
-    config.write_text(json.dumps({"models": [{"name": MODEL, "deployments": [deployment]}]}))
+    model = {"name": MODEL, "deployments": deployments, **({"routing": routing} if routing else {})}
+    config.write_text(json.dumps({"models": [model]}))
     return stack.enter_context(serving(burstgate("serve", "--port", str(port), "--config", str(config),
                                                  "--log-level", "warning"), port))
 

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import burstgate, free_port, loadtest, run_record, serving
+from peers import loadtest, run_record
+from served_burst import MODEL, serve_model
 
 WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
     "mixed": ["--requests", "64", "--input-len", "32:512", "--output-len", "16:256"],
@@ -38,14 +39,7 @@ WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
 }
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 DESIGN = "configs/llama-12.3b-gqa.json"
-
-
-def serve(stack: contextlib.ExitStack, deployments: list[dict], routing: str = "least_outstanding") -> str:
-    """``burstgate serve`` of one model made of ``deployments``: its URL for the life of ``stack``."""
-    port, config = free_port(), Path(tempfile.mkdtemp()) / "config.json"  # JSON is YAML
-    config.write_text(json.dumps({"models": [{"name": "m", "routing": routing, "deployments": deployments}]}))
-    return stack.enter_context(serving(burstgate("serve", "--port", str(port), "--config", str(config),
-                                                 "--log-level", "warning"), port))
+ROUTING = "least_outstanding"  # served and simulated fleets alike
 
 
 def replayed(result: dict) -> list:
@@ -71,7 +65,7 @@ def conversations(result: dict, users: int, turns: int, output_len: int) -> list
 
 
 def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0,
-             routing: str = "least_outstanding") -> dict:
+             routing: str = ROUTING) -> dict:
     from backends.native.config import EngineConfig
     from backends.sim.cli import routing_config
     from backends.sim.virtual import VirtualFleet, engine_tokenizer
@@ -92,8 +86,8 @@ def calibrate_frontend(out: Path) -> float:
     the virtual clock with an ideal front end."""
     engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}}
     with contextlib.ExitStack() as stack:
-        url = serve(stack, [{"kind": "native", "name": "replica", **engine}])
-        result = loadtest(f"{url}#m", out / "frontend", "--requests", "20", "--input-len", "512", "--output-len", "16",
+        url = serve_model(stack, [{"kind": "native", "name": "replica", **engine}], ROUTING)
+        result = loadtest(f"{url}#{MODEL}", out / "frontend", "--requests", "20", "--input-len", "512", "--output-len", "16",
                           "--rate", "2", "--schedule", "poisson", "--seed", "1", log=out / "frontend.log")
     simulated = simulate(engine, 1, replayed(result))
     return (result["median_ttft_ms"] - simulated["median_ttft_ms"]) / 1e3
@@ -102,9 +96,9 @@ def calibrate_frontend(out: Path) -> float:
 def fidelity(profile: str, workloads: list[str], frontend_s: float, out: Path) -> dict:
     rows = {}
     with contextlib.ExitStack() as stack:
-        url = serve(stack, [{"kind": "native", "name": "native"}])
+        url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
         for name in workloads:
-            result = loadtest(f"{url}#m", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
+            result = loadtest(f"{url}#{MODEL}", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
             requests = conversations(result, 4, 3, 32) if name == "multi_turn" else replayed(result)
             engine = {"simulate": {"profile": profile}}
             rows[name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
@@ -117,8 +111,8 @@ def agreement(replicas: int, rate: float, requests: int, frontend_s: float, out:
     engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}, "max_num_seqs": 64}
     deployments = [{"kind": "native", "name": f"replica-{i}", **engine} for i in range(replicas)]
     with contextlib.ExitStack() as stack:
-        url = serve(stack, deployments)
-        result = loadtest(f"{url}#m", out / "agreement", "--requests", str(requests), "--input-len", "512",
+        url = serve_model(stack, deployments, ROUTING)
+        result = loadtest(f"{url}#{MODEL}", out / "agreement", "--requests", str(requests), "--input-len", "512",
                           "--output-len", "128", "--rate", str(rate), "--schedule", "poisson", "--seed", "0",
                           log=out / "agreement.log")
     sent = replayed(result)
