@@ -12,6 +12,7 @@ reason once per choice, usage on every chunk with ``continuous_usage_stats`` and
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 
@@ -121,8 +122,9 @@ class ResponseWriter:
         self.n_choices, self.top_logprobs = n_choices, top_logprobs
         self.include_usage = include_usage
         self.continuous_usage = include_usage and continuous_usage  # vLLM: only with include_usage
-        self._text_offset = [0] * n_choices
-        self._tokens = [0] * n_choices  # generated per choice, for continuous usage
+        # per choice, filled as choices arrive: nothing is sized by a request's n before the backend has bounded it
+        self._text_offset: dict[int, int] = collections.defaultdict(int)
+        self._tokens: dict[int, int] = collections.defaultdict(int)  # generated per choice, for continuous usage
         self._prompt_tokens = 0
 
     # -------------------------------------------------------------------------------------- whole

@@ -67,6 +67,11 @@ CASES = [
     ("comp-prompt-logprobs-streamed", COMP, {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True},
      400, "prompt_logprobs"),
     ("comp-logprobs-huge", COMP, {"model": MODEL, "prompt": "x", "logprobs": 100}, 400, "logprobs"),
+    # counts far past any deployment's bound are refused before anything is sized by them (a list of prompts x a
+    # huge n once ended in OverflowError while the answer's writer was built)
+    ("comp-prompts-times-huge-n", COMP, {"model": MODEL, "prompt": ["a", "b"], "n": 2**62}, 400, "n"),
+    ("comp-huge-n", COMP, {"model": MODEL, "prompt": "a", "n": 10**30}, 400, "n"),
+    ("chat-huge-n", CHAT, {"model": MODEL, "messages": MSG, "n": 2**63}, 400, "n"),
     ("comp-prompt-object", COMP, {"model": MODEL, "prompt": {"text": "x"}}, 400, "prompt"),
     ("invalid-json", COMP, b'{"model": "smollm2", "prompt": ', 400, None),
     ("json-array-body", COMP, b'[1, 2, 3]', 400, None),
