@@ -26,9 +26,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# System binaries the tests start: redis-server (rate limits shared across replicas) and Debian's chromium
-# (the load-test report rendered in a real browser).
-SYSTEM_PACKAGES = redis-server chromium  # each package installs a binary of its name
+# System binaries the tests start: redis-server (rate limits shared across replicas), Debian's chromium
+# (the load-test report rendered in a real browser) and haproxy (a load balancer in front of gateway replicas
+# restarted one by one).
+SYSTEM_PACKAGES = redis-server chromium haproxy  # each package installs a binary of its name
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; fi

@@ -23,6 +23,7 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     async def lifespan(_: FastAPI):
         if manage_lifecycle:
             await gateway.start()
+            gateway.drain.take_over_sigterm()  # SIGTERM drains first; the server's own handler runs after
         try:
             yield
         finally:

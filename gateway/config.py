@@ -163,6 +163,11 @@ class Server(_Strict):
     max_header_bytes: int = Field(65_536, ge=1024)  # request line and headers together; over it: 431
     # open connections; at the cap a new one closes the longest-idle one, or gets 503 when none is idle
     max_connections: int = Field(4096, ge=1)
+    # on SIGTERM (gateway/drain.py): new requests still served this long while load balancers take the process
+    # out (/ready is 503 at once), and requests in flight run to their end until drain_timeout_s after the
+    # signal, then end with a 503 error; Kubernetes' terminationGracePeriodSeconds must cover both
+    drain_grace_s: float = Field(0.0, ge=0)
+    drain_timeout_s: float = Field(120.0, gt=0)
 
 
 class Settings(BaseSettings):

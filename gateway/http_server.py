@@ -34,7 +34,10 @@ def uvicorn_options(server: Server) -> dict[str, Any]:
             "timeout_keep_alive": server.keep_alive_timeout_s, "access_log": False, "log_config": None,
             # --workers: a worker answers the supervisor's pings only once it has imported torch and the
             # engines (seconds); uvicorn's 5 s killed every worker of a busy machine before it started
-            "timeout_worker_healthcheck": 60}
+            "timeout_worker_healthcheck": 60,
+            # a backstop only: the drain (gateway/drain.py) ends what still runs at its deadline, before this
+            # cancels the connections' tasks outright
+            "timeout_graceful_shutdown": server.drain_timeout_s + 5}
 
 
 def _response(status: int, reason: str) -> bytes:

@@ -22,6 +22,7 @@ from backends.base import (
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import Settings
 from gateway.deployments import Deployment, build_backend
+from gateway.drain import Drain
 from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
@@ -52,6 +53,7 @@ class Gateway:
         self.resilience = settings.resilience
         self.groups = {g.name: g for g in groups}
         self.metrics = GatewayMetrics()
+        self.drain = Drain(settings.server.drain_grace_s, settings.server.drain_timeout_s)
         self.rate_limiter = rate_limiter or (RedisRateLimiter(settings.limits.redis_url)
                                              if settings.limits.redis_url else RateLimiter())
         self.health = HealthChecker(groups, self.resilience.health_interval_s, self.resilience.health_timeout_s,
@@ -212,7 +214,8 @@ class Gateway:
                     async with contextlib.aclosing(deployment.backend.stream(request)) as chunks:
                         while True:
                             try:
-                                chunk = await _next_within(chunks, _deadline(loop, first, deployment, total))
+                                chunk = await _next_within(chunks, _deadline(loop, first, deployment, total),
+                                                           self.drain)
                             except StopAsyncIteration:
                                 break
                             now = time.perf_counter()
@@ -267,11 +270,11 @@ def _deadline(loop: asyncio.AbstractEventLoop, first: bool, d: Deployment, total
     return total
 
 
-async def _next_within(chunks: AsyncIterator[GenerationChunk], deadline: float | None) -> GenerationChunk:
+async def _next_within(chunks: AsyncIterator[GenerationChunk], deadline: float | None, drain: Drain) -> GenerationChunk:
     if deadline is None:
-        return await anext(chunks)
+        return await drain.next_chunk(anext(chunks))
     try:
         async with asyncio.timeout_at(deadline):
-            return await anext(chunks)
+            return await drain.next_chunk(anext(chunks))
     except TimeoutError:
         raise BackendTimeoutError("the backend did not answer in time") from None

@@ -1,8 +1,10 @@
-"""Real servers for tests: uvicorn on 127.0.0.1 in a background thread, and redis-server processes."""
+"""Real servers for tests: uvicorn on 127.0.0.1 in a background thread, ``burstgate serve`` and redis-server
+processes."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -10,7 +12,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import httpx
 import uvicorn
 
 
@@ -39,6 +43,49 @@ def serve_app(app, timeout: float = 120.0, **options) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@dataclass
+class Served:
+    """A ``burstgate serve`` process and where it listens."""
+
+    url: str
+    port: int
+    proc: subprocess.Popen
+
+
+def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] | None = None,
+                    timeout: float = 600.0) -> Served:
+    """``burstgate serve *options`` as a user starts it (``env`` added to this environment), once ``/ready``
+    answers 200. The caller stops it (``proc.terminate()``)."""
+    port = port or free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level",
+                             "warning", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout  # a loaded 2-core machine loads and warms up a model slowly
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"burstgate serve exited with {proc.returncode}: {proc.stderr.read()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return Served(url, port, proc)
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("burstgate serve did not become ready")
+        time.sleep(0.3)
+
+
+@contextlib.contextmanager
+def burstgate_serve(*options: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """``start_burstgate``, stopped (SIGTERM, then waited for) on leaving."""
+    served = start_burstgate(*options, env=env)
+    try:
+        yield served
+    finally:
+        if served.proc.poll() is None:
+            served.proc.terminate()
+        served.proc.wait(timeout=180)
 
 
 @contextlib.contextmanager

@@ -26,12 +26,14 @@ async def health():
 async def ready(request: Request, model: str | None = None):
     """Readiness: this gateway can serve at least one model (a healthy deployment, or a fallback
     with one), so one model's outage never pulls the pod out of its Service. ``?model=NAME`` asks
-    about that model alone: 503 when it cannot be served, 404 when it is not configured."""
+    about that model alone: 503 when it cannot be served, 404 when it is not configured. 503 from
+    the moment the process is told to stop (``draining``: gateway/drain.py)."""
     gateway = gateway_of(request)
     groups = [gateway.group(model)] if model is not None else list(gateway.groups.values())
     state = {g.name: gateway.can_serve(g) for g in groups}
-    ok = any(state.values())
-    return JSONResponse({"ready": ok, "models": state}, status_code=200 if ok else 503)
+    ok = any(state.values()) and not gateway.drain.draining
+    return JSONResponse({"ready": ok, "models": state, "draining": gateway.drain.draining},
+                        status_code=200 if ok else 503)
 
 
 @router.get("/metrics", responses={**schemas.COMMON, 200: {

@@ -127,6 +127,7 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     ready: bool
     models: dict[str, bool]
+    draining: bool  # told to stop: finishing what it serves (gateway/drain.py)
 
 
 class DeploymentState(BaseModel):

@@ -93,6 +93,17 @@ def test_probes_are_routes_of_the_app_and_readiness_asks_whether_it_can_serve(ob
     assert container["args"][container["args"].index("--port") + 1] == str(port)
 
 
+def test_the_grace_period_covers_the_pre_stop_pause_and_the_drain_so_no_stream_is_cut(objects):
+    """Kubernetes kills the pod terminationGracePeriodSeconds after it began stopping it, preStop included: the
+    gateway's preStop pause, its grace window and its drain deadline must all fit (gateway/drain.py)."""
+    pod = gateway_pod(objects)
+    container = pod["containers"][0]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and int(command[1]) > 0  # the endpoint goes before SIGTERM comes
+    server = gateway_settings(objects).server
+    assert pod["terminationGracePeriodSeconds"] >= int(command[1]) + server.drain_grace_s + server.drain_timeout_s
+
+
 def test_every_container_has_cpu_and_memory_requests_and_limits(objects):
     for name, c in containers(objects):
         for kind in ("requests", "limits"):

@@ -59,5 +59,5 @@ def test_engine_thread_death_fails_in_flight_requests_with_503_and_turns_ready_o
         deadline = time.monotonic() + 10
         while httpx.get(f"{url}/ready").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert httpx.get(f"{url}/ready").json() == {"ready": False, "models": {MODEL: False}}
+        assert httpx.get(f"{url}/ready").json() == {"ready": False, "models": {MODEL: False}, "draining": False}
     # engine_idle: the dying thread aborted what the engine held, so no KV block is left behind.

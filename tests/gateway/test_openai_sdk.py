@@ -117,7 +117,7 @@ def test_health_ready_docs(gateway_url):
     import httpx
 
     assert httpx.get(f"{gateway_url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{gateway_url}/ready").json() == {"ready": True, "models": {MODEL: True}}
+    assert httpx.get(f"{gateway_url}/ready").json() == {"ready": True, "models": {MODEL: True}, "draining": False}
     spec = httpx.get(f"{gateway_url}/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
     assert httpx.get(f"{gateway_url}/docs").status_code == 200

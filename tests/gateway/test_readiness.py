@@ -44,13 +44,13 @@ def test_one_model_down_leaves_the_gateway_ready_and_is_reported_per_model(up_ur
     with gateway_with(models) as url:
         r = httpx.get(f"{url}/ready")
         assert r.status_code == 200
-        assert r.json() == {"ready": True, "models": {"up": True, "down": False, "down-with-fallback": True}}
+        assert r.json() == {"ready": True, "models": {"up": True, "down": False, "down-with-fallback": True}, "draining": False}
 
         r = httpx.get(f"{url}/ready", params={"model": "down"})
-        assert (r.status_code, r.json()) == (503, {"ready": False, "models": {"down": False}})
+        assert (r.status_code, r.json()) == (503, {"ready": False, "models": {"down": False}, "draining": False})
         for name in ("up", "down-with-fallback"):  # a healthy fallback serves the model's requests
             r = httpx.get(f"{url}/ready", params={"model": name})
-            assert (r.status_code, r.json()) == (200, {"ready": True, "models": {name: True}})
+            assert (r.status_code, r.json()) == (200, {"ready": True, "models": {name: True}, "draining": False})
 
         assert metric(url, "burstgate:model_ready", model="up") == 1
         assert metric(url, "burstgate:model_ready", model="down") == 0
@@ -68,5 +68,5 @@ def test_with_no_model_servable_the_gateway_is_not_ready():
     with gateway_with([ModelRoute(name="a", deployments=[remote(dead_url())]),
                        ModelRoute(name="b", deployments=[remote(dead_url())])]) as url:
         r = httpx.get(f"{url}/ready")
-        assert (r.status_code, r.json()) == (503, {"ready": False, "models": {"a": False, "b": False}})
+        assert (r.status_code, r.json()) == (503, {"ready": False, "models": {"a": False, "b": False}, "draining": False})
         assert httpx.get(f"{url}/health").status_code == 200  # alive: liveness must not restart it

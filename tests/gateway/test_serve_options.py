@@ -5,36 +5,9 @@ option shows; what ``auto`` resolves to is tests/backends/native/test_config.py'
 
 from __future__ import annotations
 
-import contextlib
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-
 import httpx
 
-from tests.servers import free_port
-
-
-@contextlib.contextmanager
-def serve(*options: str) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level",
-                             "warning", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600  # a loaded 2-core machine loads and warms up the model slowly
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "burstgate serve did not become ready"
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+from tests.servers import burstgate_serve
 
 
 def _engine(url: str) -> dict:
@@ -43,9 +16,10 @@ def _engine(url: str) -> dict:
 
 
 def test_dtype_device_quantization_kv_cache_and_name_options_reach_the_running_engine():
-    with serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16",
-               "--tensor-parallel-size", "1", "--quantization", "int8", "--kv-cache-dtype", "fp8",
-               "--block-size", "32") as url:
+    with burstgate_serve("--dtype", "bfloat16", "--device", "cpu", "--served-model-name", "smol-bf16",
+                         "--tensor-parallel-size", "1", "--quantization", "int8", "--kv-cache-dtype", "fp8",
+                         "--block-size", "32") as served:
+        url = served.url
         name, engine = _engine(url)
         assert name == "smol-bf16" and engine["dtype"] == "bfloat16" and engine["device"] == "cpu"
         assert engine["kv_cache_dtype"] == "float8_e4m3fn" and engine["block_size"] == 32

@@ -59,5 +59,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- $redis := printf "redis://%s:6379/0" (include "burstgate.component" (dict "component" "redis" "Values" .Values "Release" .Release "Chart" .Chart)) }}
 {{- $_ := set $config "limits" (dict "redis_url" $redis) }}
 {{- end }}
+{{- $_ := set $config "server" (dict "drain_grace_s" .Values.gateway.drain.graceSeconds "drain_timeout_s" .Values.gateway.drain.timeoutSeconds) }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
 {{- end }}
