@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 
 from backends.base import (
     REQUEST_ID,
@@ -49,6 +50,11 @@ class RemoteConfig(BaseModel):
     api_key_env: str | None = None  # the name of an environment variable holding the key
     connect_timeout_s: float = Field(5.0, gt=0)
     read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
+    # an https:// upstream: the CA bundle its certificate is checked against (default: the system's), and this
+    # gateway's own certificate and key for servers that ask for one (mutual TLS); PEM files
+    ca_bundle: FilePath | None = None
+    client_cert: FilePath | None = None
+    client_key: FilePath | None = None  # when the key is not in client_cert's file
 
     @model_validator(mode="after")
     def _key_from_environment(self) -> RemoteConfig:
@@ -59,6 +65,25 @@ class RemoteConfig(BaseModel):
         if name is not None:
             self.api_key, self.api_key_env = from_environment(name, "the api key"), None
         return self
+
+    @model_validator(mode="after")
+    def _tls_files_load(self) -> RemoteConfig:
+        if self.client_key and not self.client_cert:
+            raise ValueError("client_key needs client_cert")
+        self.ssl_context()  # a certificate or key that does not load is a config error, not a first-request one
+        return self
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS settings for this upstream: None for the defaults (the system's CAs, no client certificate)."""
+        if not (self.ca_bundle or self.client_cert):
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.ca_bundle)
+            if self.client_cert:
+                context.load_cert_chain(self.client_cert, self.client_key)
+        except ssl.SSLError as exc:
+            raise ValueError(f"the TLS files do not load: {exc}") from None
+        return context
 
 
 class TextServerConfig(RemoteConfig):
@@ -98,6 +123,7 @@ class HTTPClient:
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
                                               sock_read=cfg.read_timeout_s)
+        self._ssl = cfg.ssl_context() or True  # True: aiohttp's default checks
         self._session: aiohttp.ClientSession | None = None
 
     def _url(self, path: str) -> str:
@@ -107,7 +133,7 @@ class HTTPClient:
         if self._session is None or self._session.closed:  # created in the loop that serves requests
             self._session = aiohttp.ClientSession(
                 headers=self._headers, timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60))
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60, ssl=self._ssl))
         return self._session
 
     async def call(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Reply:

@@ -180,6 +180,15 @@ def serve(
                                                  "models (h100, h200, a GPU type, or a profile file; "
                                                  "`burstgate sim profiles`).")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
+    ssl_keyfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
+                                                     "the server's private key (PEM), with --ssl-certfile.")] = None,
+    ssl_certfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
+                                                      "the server's certificate chain (PEM).")] = None,
+    ssl_ca_certs: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="The CAs that "
+                                                      "sign client certificates (mutual TLS, with --ssl-cert-reqs).")] = None,
+    ssl_cert_reqs: Annotated[int, typer.Option(min=0, max=2, metavar="N", help="Client certificates: 0 not asked "
+                                               "for, 1 checked when given, 2 required (Python's ssl.CERT_*, as "
+                                               "uvicorn's and vLLM's flag).")] = 0,
     log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
                                                   "included), with the request's X-Request-Id.")] = "text",
@@ -191,6 +200,11 @@ def serve(
 
     log_level = log_level.value
     configure_logging(log_level, log_format)
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise typer.BadParameter("HTTPS needs both --ssl-keyfile and --ssl-certfile", param_hint="--ssl-certfile")
+    if (ssl_ca_certs is not None or ssl_cert_reqs) and ssl_certfile is None:
+        raise typer.BadParameter("client certificates need HTTPS (--ssl-keyfile, --ssl-certfile)",
+                                 param_hint="--ssl-ca-certs / --ssl-cert-reqs")
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
                       "quantization": quantization.value if quantization else None,
@@ -201,8 +215,12 @@ def serve(
     except ValueError as exc:  # an invalid config file or environment override
         raise typer.BadParameter(str(exc), param_hint="--config / BURSTGATE_*") from None
     names = ", ".join(r.name for r in settings.routes())
-    log.info("burstgate will listen on http://%s:%d (models: %s; workers: %d)", host, port, names, workers)
+    log.info("burstgate will listen on %s://%s:%d (models: %s; workers: %d)", "https" if ssl_certfile else "http",
+             host, port, names, workers)
     options = uvicorn_options(settings.server)
+    if ssl_certfile is not None:
+        options |= {"ssl_keyfile": str(ssl_keyfile), "ssl_certfile": str(ssl_certfile), "ssl_cert_reqs": ssl_cert_reqs,
+                    "ssl_ca_certs": str(ssl_ca_certs) if ssl_ca_certs else None}
     if workers > 1:
         os.environ[_SERVE_ENV] = WorkerOptions(config=config, model=model, served_model_name=served_model_name,
                                                backend=backend, engine_options=engine_options, log_level=log_level,

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -55,20 +56,21 @@ class Served:
 
 
 def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] | None = None,
-                    timeout: float = 600.0) -> Served:
+                    timeout: float = 600.0, verify: ssl.SSLContext | bool = True) -> Served:
     """``burstgate serve *options`` as a user starts it (``env`` added to this environment), once ``/ready``
-    answers 200. The caller stops it (``proc.terminate()``)."""
+    answers 200 (over HTTPS, checked with ``verify``, when the options serve it). The caller stops it
+    (``proc.terminate()``)."""
     port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level",
                              "warning", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if '--ssl-certfile' in options else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout  # a loaded 2-core machine loads and warms up a model slowly
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"burstgate serve exited with {proc.returncode}: {proc.stderr.read()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2, verify=verify).status_code == 200:
                 return Served(url, port, proc)
         if time.monotonic() > deadline:
             proc.kill()
@@ -77,9 +79,10 @@ def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] 
 
 
 @contextlib.contextmanager
-def burstgate_serve(*options: str, env: dict[str, str] | None = None) -> Iterator[Served]:
+def burstgate_serve(*options: str, env: dict[str, str] | None = None,
+                    verify: ssl.SSLContext | bool = True) -> Iterator[Served]:
     """``start_burstgate``, stopped (SIGTERM, then waited for) on leaving."""
-    served = start_burstgate(*options, env=env)
+    served = start_burstgate(*options, env=env, verify=verify)
     try:
         yield served
     finally:

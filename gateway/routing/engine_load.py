@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,6 +54,12 @@ def metrics_url(deployment: Deployment) -> str | None:
     return None if base is None else base.removesuffix("/v1") + "/metrics"
 
 
+def _tls(deployment: Deployment) -> ssl.SSLContext | bool:
+    """The deployment's own TLS settings for its server (a private CA, a client certificate), else the defaults."""
+    context = getattr(deployment.config, "ssl_context", None)
+    return (context() if context else None) or True
+
+
 class LoadReader:
     """The latest load of each deployment, refreshed every ``interval_s`` while ``run`` runs."""
 
@@ -75,9 +82,11 @@ class LoadReader:
         remote = [(d, url) for d in self.deployments if (url := metrics_url(d)) is not None]
         if not remote:
             return
-        async with httpx.AsyncClient(timeout=self.interval_s) as http:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=self.interval_s, verify=_tls(d)))
+                       for d, _ in remote]
             while True:
-                await asyncio.gather(*(self._read(http, d, url) for d, url in remote))
+                await asyncio.gather(*(self._read(http, d, url) for http, (d, url) in zip(clients, remote)))
                 await asyncio.sleep(self.interval_s)
 
     async def _read(self, http: httpx.AsyncClient, deployment: Deployment, url: str) -> None:

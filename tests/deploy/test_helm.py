@@ -102,6 +102,28 @@ def test_everything_off_serves_the_embedded_model_and_config_overrides_merge():
     assert Gateway.from_settings(settings).groups  # the embedded default
 
 
+def test_a_tls_secret_serves_https_and_the_probes_and_scrapes_follow():
+    pod = gateway_pod(helm_objects({"gateway": {"tls": {"secretName": "gateway-cert"}}}))
+    container = pod["containers"][0]
+    args = container["args"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+    assert args[args.index("--ssl-certfile") + 1] == f"{mount['mountPath']}/tls.crt"
+    assert args[args.index("--ssl-keyfile") + 1] == f"{mount['mountPath']}/tls.key"
+    assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"] == {"secretName": "gateway-cert"}
+    assert {container[p]["httpGet"]["scheme"] for p in ("startupProbe", "livenessProbe", "readinessProbe")} == {"HTTPS"}
+    plain = gateway_pod(helm_objects())["containers"][0]
+    assert "--ssl-certfile" not in plain["args"] and "scheme" not in plain["readinessProbe"]["httpGet"]
+
+
+def test_the_drain_values_reach_the_gateway_and_its_grace_period():
+    objects = helm_objects({"gateway": {"drain": {"preStopSeconds": 7, "graceSeconds": 3, "timeoutSeconds": 600}}})
+    server = gateway_settings(objects).server
+    assert (server.drain_grace_s, server.drain_timeout_s) == (3, 600)
+    pod = gateway_pod(objects)
+    assert pod["terminationGracePeriodSeconds"] == 7 + 3 + 600 + 10
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "7"]
+
+
 def test_the_config_checksum_rolls_the_pods_when_the_config_changes():
     def checksum(values):
         pod = next(o for o in helm_objects(values) if o["kind"] == "Deployment" and o["metadata"]["name"] ==

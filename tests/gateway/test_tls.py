@@ -1,0 +1,109 @@
+"""TLS on both sides, with certificates the test makes (trustme: a throw-away CA): ``burstgate serve --ssl-*``
+serves HTTPS and, when told, takes only clients with a certificate of its CA; an ``openai`` deployment reaches an
+HTTPS upstream signed by a private CA that asks for the gateway's own certificate (mutual TLS)."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trustme
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, OpenAIDeployment, Resilience, Settings
+from gateway.service import Gateway
+from loadtest.mock_server import create_mock_app
+from tests.servers import burstgate_serve, serve_app
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """PEM files: a CA, a server certificate for 127.0.0.1 and a client certificate, both signed by it, and a CA
+    that signed neither."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca, stranger = trustme.CA(), trustme.CA()
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("gateway.burstgate.test")
+    files = {"ca": ca.cert_pem, "stranger_ca": stranger.cert_pem, "server_key": server.private_key_pem,
+             "server_cert": server.cert_chain_pems[0], "client_key": client.private_key_pem,
+             "client_cert": client.cert_chain_pems[0]}
+    for name, blob in files.items():
+        blob.write_to_path(str(folder / f"{name}.pem"))
+    return {name: folder / f"{name}.pem" for name in files}
+
+
+def client_context(pki, with_certificate: bool) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=pki["ca"])
+    if with_certificate:
+        context.load_cert_chain(pki["client_cert"], pki["client_key"])
+    return context
+
+
+def test_serve_answers_over_https_and_only_clients_with_a_certificate_of_its_ca_when_told(pki):
+    options = ("--simulate", "cpu-epyc-2c", "--ssl-keyfile", str(pki["server_key"]), "--ssl-certfile",
+               str(pki["server_cert"]), "--ssl-ca-certs", str(pki["ca"]), "--ssl-cert-reqs", "2")
+    trusted = client_context(pki, with_certificate=True)
+    with burstgate_serve(*options, verify=trusted) as served:
+        assert served.url.startswith("https://")
+        sdk = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", http_client=httpx.Client(verify=trusted))
+        answer = sdk.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+        with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
+            httpx.get(f"{served.url}/health", verify=client_context(pki, with_certificate=False))
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not spoken there
+            httpx.get(served.url.replace("https://", "http://") + "/health")
+
+
+@pytest.fixture(scope="module")
+def upstream(pki):
+    """The mock OpenAI server over HTTPS, requiring a client certificate of the CA."""
+    with serve_app(create_mock_app(), ssl_keyfile=str(pki["server_key"]), ssl_certfile=str(pki["server_cert"]),
+                   ssl_ca_certs=str(pki["ca"]), ssl_cert_reqs=ssl.CERT_REQUIRED) as url:
+        yield url.replace("http://", "https://") + "/v1"
+
+
+def gateway_to(upstream: str, **tls) -> Gateway:
+    deployment = OpenAIDeployment(kind="openai", url=upstream, upstream_model="mock", **tls)
+    return Gateway.from_settings(Settings(models=[ModelRoute(name="m", deployments=[deployment])],
+                                          resilience=Resilience(retries=0, health_interval_s=60)))
+
+
+def complete(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3}, timeout=30)
+
+
+def test_an_openai_deployment_reaches_an_https_upstream_with_its_ca_bundle_and_client_certificate(pki, upstream):
+    gateway = gateway_to(upstream, ca_bundle=pki["ca"], client_cert=pki["client_cert"], client_key=pki["client_key"])
+    with serve_app(create_app(gateway)) as url:
+        assert httpx.get(f"{url}/ready").status_code == 200  # the health check went through TLS too
+        reply = complete(url)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("case", ["no client certificate", "the system's CAs", "another CA"])
+def test_an_upstream_whose_tls_check_fails_is_unavailable_not_a_server_error(pki, upstream, case):
+    tls = {"no client certificate": {"ca_bundle": pki["ca"]},
+           "the system's CAs": {"client_cert": pki["client_cert"], "client_key": pki["client_key"]},
+           "another CA": {"ca_bundle": pki["stranger_ca"], "client_cert": pki["client_cert"],
+                          "client_key": pki["client_key"]}}[case]
+    with serve_app(create_app(gateway_to(upstream, **tls))) as url:
+        reply = complete(url)
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable", reply.text
+
+
+@pytest.mark.parametrize("tls, words", [
+    ({"client_key": "client_key"}, "client_key needs client_cert"),
+    ({"ca_bundle": "client_key"}, "TLS files do not load"),  # a key is no CA bundle
+    ({"client_cert": "ca", "client_key": "server_key"}, "TLS files do not load"),  # a certificate without its key
+])
+def test_tls_files_that_do_not_load_are_refused_when_the_config_loads(pki, tls, words):
+    with pytest.raises(ValidationError, match=words):
+        OpenAIDeployment(kind="openai", url="https://upstream/v1", **{k: pki[v] for k, v in tls.items()})
+
+
+def test_a_tls_file_that_does_not_exist_is_named(tmp_path):
+    with pytest.raises(ValidationError, match="ca_bundle"):
+        OpenAIDeployment(kind="openai", url="https://upstream/v1", ca_bundle=tmp_path / "missing.pem")
