@@ -160,6 +160,9 @@ def _finite(x: float) -> bool:
 # The X-Request-Id of the HTTP request being served (set by the gateway for the request's task and the
 # tasks it starts): HTTP backends forward it upstream, so one id follows a request through every server.
 REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
+# The W3C traceparent of the gateway's span for the call an HTTP backend is making, when tracing is on
+# (gateway/tracing.py): set around the call, sent as a header so the server's spans join the trace.
+TRACEPARENT: ContextVar[str | None] = ContextVar("traceparent", default=None)
 
 
 def random_id() -> str:

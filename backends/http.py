@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 
 from backends.base import (
     REQUEST_ID,
+    TRACEPARENT,
     BackendError,
     BackendTimeoutError,
     InvalidRequestError,
@@ -164,9 +165,12 @@ class HTTPClient:
 
 
 def _request_id_header() -> dict[str, str] | None:
-    """The served request's id for the upstream (vLLM takes it as its own request id)."""
-    request_id = REQUEST_ID.get()
-    return {"X-Request-Id": request_id} if request_id else None
+    """The served request's id for the upstream (vLLM takes it as its own request id), and the trace it is part
+    of when tracing is on."""
+    request_id, traceparent = REQUEST_ID.get(), TRACEPARENT.get()
+    if traceparent is None:
+        return {"X-Request-Id": request_id} if request_id else None
+    return {"X-Request-Id": request_id, "traceparent": traceparent} if request_id else {"traceparent": traceparent}
 
 
 @contextlib.asynccontextmanager

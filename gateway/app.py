@@ -14,6 +14,7 @@ from gateway.errors import BodyTooLarge
 from gateway.responses.service import Responses
 from gateway.routes import openai, operations, responses, tokenizer
 from gateway.service import Gateway
+from gateway.tracing import TracingMiddleware
 
 
 def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
@@ -38,6 +39,8 @@ def create_app(gateway: Gateway, manage_lifecycle: bool = True) -> FastAPI:
     app.state.responses = Responses.from_settings(gateway, gateway.settings)
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, limit=gateway.settings.limits.max_body_bytes)
+    if gateway.tracing is not None:  # only when on: no per-request cost otherwise
+        app.add_middleware(TracingMiddleware, tracing=gateway.tracing)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so even a 413 carries the id
     for routes in (openai, responses, tokenizer, operations):
         app.include_router(routes.router)

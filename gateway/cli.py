@@ -69,13 +69,16 @@ class BackendKind(StrEnum):
 
 
 def build_settings(config: Path | None, model: Path | None, name: str | None = None,
-                   backend: BackendKind = BackendKind.native, **engine_options: str | int | None) -> Settings:
+                   backend: BackendKind = BackendKind.native, otlp_traces_endpoint: str | None = None,
+                   **engine_options: str | int | None) -> Settings:
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
-    served. ``engine_options`` (``dtype``, ``device``, ``tensor_parallel_size``, ``quantization``,
-    ``kv_cache_dtype``, ``block_size``, ``simulate``: None when not given) apply to every in-process deployment,
-    and are refused where none would use them."""
+    served; ``otlp_traces_endpoint`` turns tracing on. ``engine_options`` (``dtype``, ``device``,
+    ``tensor_parallel_size``, ``quantization``, ``kv_cache_dtype``, ``block_size``, ``simulate``: None when not
+    given) apply to every in-process deployment, and are refused where none would use them."""
     settings = load_settings(config)
+    if otlp_traces_endpoint is not None:
+        settings.tracing = settings.tracing.model_copy(update={"otlp_traces_endpoint": otlp_traces_endpoint})
     if model is not None and not model.exists():
         raise typer.BadParameter(f"{model} does not exist (give a local HF directory, .gguf or config.json file)",
                                  param_hint="--model")
@@ -132,12 +135,14 @@ class WorkerOptions(BaseModel):
     model: Path | None
     served_model_name: str | None
     backend: BackendKind
+    otlp_traces_endpoint: str | None
     engine_options: dict[str, str | int | None]
     log_level: str
     log_format: LogFormat
 
     def settings(self) -> Settings:
-        return build_settings(self.config, self.model, self.served_model_name, self.backend, **self.engine_options)
+        return build_settings(self.config, self.model, self.served_model_name, self.backend, self.otlp_traces_endpoint,
+                              **self.engine_options)
 
 
 def app_from_env():
@@ -180,6 +185,9 @@ def serve(
                                                  "models (h100, h200, a GPU type, or a profile file; "
                                                  "`burstgate sim profiles`).")] = None,
     workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
+    otlp_traces_endpoint: Annotated[str | None, typer.Option(metavar="URL", help="Export OpenTelemetry traces of "
+                                                             "each request over OTLP (http://collector:4318/v1/traces;"
+                                                             " vLLM's flag). Off by default.")] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
                                                      "the server's private key (PEM), with --ssl-certfile.")] = None,
     ssl_certfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
@@ -211,7 +219,7 @@ def serve(
                       "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None, "block_size": block_size,
                       "simulate": simulate}
     try:
-        settings = build_settings(config, model, served_model_name, backend, **engine_options)
+        settings = build_settings(config, model, served_model_name, backend, otlp_traces_endpoint, **engine_options)
     except ValueError as exc:  # an invalid config file or environment override
         raise typer.BadParameter(str(exc), param_hint="--config / BURSTGATE_*") from None
     names = ", ".join(r.name for r in settings.routes())
@@ -223,7 +231,8 @@ def serve(
                     "ssl_ca_certs": str(ssl_ca_certs) if ssl_ca_certs else None}
     if workers > 1:
         os.environ[_SERVE_ENV] = WorkerOptions(config=config, model=model, served_model_name=served_model_name,
-                                               backend=backend, engine_options=engine_options, log_level=log_level,
+                                               backend=backend, otlp_traces_endpoint=otlp_traces_endpoint,
+                                               engine_options=engine_options, log_level=log_level,
                                                log_format=log_format).model_dump_json()
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
                     log_level=log_level, **options)

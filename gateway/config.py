@@ -21,6 +21,7 @@ from backends.mii import MIIConfig
 from backends.native.config import DEFAULT_MODEL_ENV, EMBEDDED_TOOLS_TEMPLATE, EngineConfig
 from gateway.routing import routing_config
 from gateway.routing.least_outstanding import LeastOutstandingConfig
+from gateway.tracing import TracingConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -185,6 +186,7 @@ class Settings(BaseSettings):
     resilience: Resilience = Field(default_factory=Resilience, validation_alias=AliasChoices("resilience", "router"))
     server: Server = Field(default_factory=Server)
     responses: ResponsesStore = Field(default_factory=ResponsesStore)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from backends.base import (
+    TRACEPARENT,
     Backend,
     BackendError,
     BackendTimeoutError,
@@ -28,6 +29,7 @@ from gateway.health import HealthChecker
 from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Choice, Conversation, ModelGroup
+from gateway.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class Gateway:
         self.groups = {g.name: g for g in groups}
         self.metrics = GatewayMetrics()
         self.drain = Drain(settings.server.drain_grace_s, settings.server.drain_timeout_s)
+        self.tracing = Tracing.from_config(settings.tracing)  # None when off: one check per span
         self.rate_limiter = rate_limiter or (RedisRateLimiter(settings.limits.redis_url)
                                              if settings.limits.redis_url else RateLimiter())
         self.health = HealthChecker(groups, self.resilience.health_interval_s, self.resilience.health_timeout_s,
@@ -108,6 +111,8 @@ class Gateway:
         for backend in self.backends:
             await backend.close()
         await self.rate_limiter.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.close)  # exports what is buffered
 
     def _export_health(self, d: Deployment) -> None:
         self.metrics.backend_healthy.labels(d.name).set(1 if d.healthy else 0)
@@ -129,11 +134,17 @@ class Gateway:
     # ---------------------------------------------------------------------------------- serving
     async def admit(self, caller: Caller) -> None:
         """Count the request against the caller's limits; a spent limit raises a 429."""
+        span = self.tracing.start("admit", {"burstgate.key": caller.name}) if self.tracing else None
         try:
             await self.rate_limiter.admit(caller.name, caller.limits)
-        except GatewayError:
+        except GatewayError as exc:
             self.metrics.rate_limited.labels(caller.name).inc()
+            if span is not None:
+                self.tracing.failed(span, "rate_limited", exc.message)
             raise
+        finally:
+            if span is not None:
+                span.end()
 
     def can_serve(self, group: ModelGroup) -> bool:
         """A deployment of ``group``, or of one of its fallbacks, passed its last health check."""
@@ -169,6 +180,8 @@ class Gateway:
                 if conversation is not None:
                     conversation.served_by = deployment.name
                 self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
+                if self.tracing is not None:
+                    self.tracing.route(g.name, g.routing, choice, attempt + 1)
                 if (blocks := g.policy.index_blocks(deployment)) is not None:
                     self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
                     self.metrics.prefix_index_precise.labels(g.name, deployment.name).set(
@@ -205,6 +218,8 @@ class Gateway:
         m = self.metrics
         start = last = time.perf_counter()
         status, first, tally = "error", True, UsageTally()  # counts tokens also when the request ends early
+        span = self.tracing.upstream(group.name, deployment) if self.tracing else None
+        traceparent = self.tracing.traceparent(span) if span is not None else None
         try:
             async with deployment.limiter:
                 m.in_flight.labels(*labels).inc()
@@ -215,12 +230,14 @@ class Gateway:
                         while True:
                             try:
                                 chunk = await _next_within(chunks, _deadline(loop, first, deployment, total),
-                                                           self.drain)
+                                                           self.drain, traceparent if first else None)
                             except StopAsyncIteration:
                                 break
                             now = time.perf_counter()
                             if first:
                                 deployment.observe_ttft(now - start)
+                                if span is not None:
+                                    span.add_event("first_token")
                             (m.ttft if first else m.itl).labels(*labels).observe(now - last)
                             first, last = False, now
                             tally.add(chunk)
@@ -235,6 +252,8 @@ class Gateway:
                 deployment.breaker.failure()
             else:
                 deployment.breaker.release()
+            if span is not None:
+                self.tracing.failed(span, exc.kind, exc.message)
             raise
         except BaseException:  # GeneratorExit / CancelledError: the client left
             status = "cancelled"
@@ -244,6 +263,10 @@ class Gateway:
             m.requests.labels(*labels, status).inc()
             m.e2e.labels(*labels).observe(time.perf_counter() - start)
             usage = tally.total()  # a cancelled or failed request is charged what it generated
+            if span is not None:
+                span.set_attributes({"burstgate.status": status, "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                                     "gen_ai.usage.output_tokens": usage.completion_tokens})
+                span.end()
             if usage.total_tokens:
                 m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
                 m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
@@ -270,11 +293,17 @@ def _deadline(loop: asyncio.AbstractEventLoop, first: bool, d: Deployment, total
     return total
 
 
-async def _next_within(chunks: AsyncIterator[GenerationChunk], deadline: float | None, drain: Drain) -> GenerationChunk:
-    if deadline is None:
-        return await drain.next_chunk(anext(chunks))
+async def _next_within(chunks: AsyncIterator[GenerationChunk], deadline: float | None, drain: Drain,
+                       traceparent: str | None = None) -> GenerationChunk:
+    """The next chunk by ``deadline``; an HTTP backend's call made meanwhile carries ``traceparent``."""
+    token = TRACEPARENT.set(traceparent) if traceparent is not None else None
     try:
+        if deadline is None:
+            return await drain.next_chunk(anext(chunks))
         async with asyncio.timeout_at(deadline):
             return await drain.next_chunk(anext(chunks))
     except TimeoutError:
         raise BackendTimeoutError("the backend did not answer in time") from None
+    finally:
+        if token is not None:
+            TRACEPARENT.reset(token)

@@ -1,5 +1,6 @@
 """A gateway in front of remote backends alone never loads torch, nor the native engine: its image and its start
-stay small (the engine's code is imported per deployment kind, in gateway/deployments.py)."""
+stay small (the engine's code is imported per deployment kind, in gateway/deployments.py). With tracing off, the
+OpenTelemetry SDK is not loaded either (gateway/tracing.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ with TestClient(create_app(Gateway.from_settings(settings))) as client:
         client.get("/v1/models").status_code, client.get("/info").status_code,
         client.get("/metrics").status_code, client.get("/ready").status_code]
 loaded = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "triton", "xgrammar"})
-print(json.dumps({"answers": answers, "loaded": loaded, "engine": "backends.native.engine" in sys.modules}))
+print(json.dumps({"answers": answers, "loaded": loaded, "engine": "backends.native.engine" in sys.modules,
+                  "tracing": "opentelemetry.sdk" in sys.modules}))
 """
 
 
@@ -42,4 +44,4 @@ def test_a_gateway_of_remote_backends_never_loads_torch_or_the_engine():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["answers"] == [200] * 6  # it served every kind of route
-    assert result == {"answers": [200] * 6, "loaded": [], "engine": False}
+    assert result == {"answers": [200] * 6, "loaded": [], "engine": False, "tracing": False}
