@@ -19,6 +19,7 @@ from backends.deepspeed_config import DeepSpeedConfig
 from backends.http import RemoteConfig, TextServerConfig, env_reference, from_environment
 from backends.mii import MIIConfig
 from backends.native.config import DEFAULT_MODEL_ENV, EMBEDDED_TOOLS_TEMPLATE, EngineConfig
+from gateway.discovery import DiscoveryConfig
 from gateway.routing import routing_config
 from gateway.routing.least_outstanding import LeastOutstandingConfig
 from gateway.tracing import TracingConfig
@@ -44,6 +45,15 @@ class _Deployment(_Strict):
     # reader connects to it: tcp://vllm-0:5557), and their topic: cache_aware routing follows them
     kv_events: str | None = None
     kv_events_topic: str = ""
+    # the replicas behind this deployment, found by DNS or the Kubernetes API (gateway/discovery/): this entry is
+    # then their template, its url's host and port replaced by each replica's (and "{host}" in kv_events)
+    discover: DiscoveryConfig | None = None
+
+    @model_validator(mode="after")
+    def _discover_needs_a_url(self) -> _Deployment:
+        if self.discover is not None and not hasattr(self, "url"):
+            raise ValueError("discover: needs a remote deployment (a kind with a url)")
+        return self
 
 
 # One class per kind: the gateway's fields plus the backend's own configuration, which the backend

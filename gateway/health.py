@@ -19,22 +19,29 @@ log = logging.getLogger(__name__)
 class HealthChecker:
     def __init__(self, groups: list[ModelGroup], interval_s: float = 5.0, timeout_s: float = 5.0,
                  on_change: Callable[[Deployment], None] | None = None) -> None:
-        self.deployments = list({id(d): d for g in groups for d in g.deployments}.values())
+        self.groups = groups
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.on_change = on_change
         self._task: asyncio.Task | None = None
 
+    @property
+    def deployments(self) -> list[Deployment]:
+        """Every deployment of the groups now (discovered replicas come and go), each once."""
+        return list({id(d): d for g in self.groups for d in g.deployments}.values())
+
     async def check_once(self) -> None:
-        results = await asyncio.gather(*(self._check(d) for d in self.deployments))
-        for d, ok in zip(self.deployments, results):
+        deployments = self.deployments
+        results = await asyncio.gather(*(self.check(d) for d in deployments))
+        for d, ok in zip(deployments, results):
             if ok != d.healthy:
                 log.warning("backend %s is now %s", d.name, "healthy" if ok else "UNHEALTHY")
             d.healthy = ok
             if self.on_change:
                 self.on_change(d)
 
-    async def _check(self, d: Deployment) -> bool:
+    async def check(self, d: Deployment) -> bool:
+        """Whether ``d`` answers its health check in time."""
         try:
             return bool(await asyncio.wait_for(d.backend.health(), timeout=self.timeout_s))
         except Exception:

@@ -7,6 +7,7 @@ In-process engines' live figures are read at scrape time by a collector, never c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -62,6 +63,15 @@ class GatewayMetrics:
         ProcessCollector(registry=r)
         Gauge("burstgate:asyncio_tasks", "asyncio tasks alive in the serving loop.",
               registry=r).set_function(_asyncio_tasks)
+
+    def forget_deployment(self, model: str, name: str) -> None:
+        """A discovered replica gone: its gauges go (it is neither healthy nor busy any more); its counters stay,
+        so that rates over a window that saw it stay right."""
+        for gauge, labels in ((self.backend_healthy, (name,)), (self.breaker_state, (name,)),
+                              (self.in_flight, (model, name)), (self.prefix_index_blocks, (model, name)),
+                              (self.prefix_index_precise, (model, name))):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
 
     def watch_engines(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         """Export the live figures of in-process engines; ``engines`` yields (model, backend, stats)."""

@@ -21,8 +21,9 @@ from backends.base import (
     UsageTally,
 )
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.config import Settings
+from gateway.config import DeploymentConfig, Resilience, Settings
 from gateway.deployments import Deployment, build_backend
+from gateway.discovery.membership import Membership
 from gateway.drain import Drain
 from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
@@ -64,25 +65,30 @@ class Gateway:
         self.metrics.watch_engines(self._engine_stats)
         self.metrics.watch_models(lambda: ((name, self.can_serve(g)) for name, g in self.groups.items()))
         self._background: list[asyncio.Task] = []  # the routing policies' own work (scrapers, event readers)
+        self.memberships: list[Membership] = []  # discovered deployments (from_settings)
+        self._replica_jobs: dict[Deployment, list[asyncio.Task]] = {}  # a discovered replica's policy jobs
+        self._retiring: set[asyncio.Task] = set()  # replicas gone, finishing what they run
         for d in self.health.deployments:
             d.breaker.on_change = self._breaker_exporter(d)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Gateway:
-        """Deployments built (not started) from the configuration."""
-        groups = []
-        r = settings.resilience
+        """Deployments built (not started) from the configuration; a deployment with ``discover:`` is a template
+        whose replicas are found when the gateway starts (gateway/discovery/)."""
+        groups, templates = [], []
         for route in settings.routes():
             deployments = []
             for i, cfg in enumerate(route.deployments):
-                backend = build_backend(route.name, cfg)
-                deployments.append(Deployment(
-                    name=cfg.name or f"{route.name}/{cfg.kind}-{i}", backend=backend, weight=cfg.weight,
-                    limiter=ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
-                    breaker=CircuitBreaker(r.breaker_failures, r.breaker_cooldown_s),
-                    first_token_timeout_s=cfg.first_token_timeout_s, total_timeout_s=cfg.total_timeout_s, config=cfg))
+                name = cfg.name or f"{route.name}/{cfg.kind}-{i}"
+                if cfg.discover is not None:
+                    templates.append((route.name, cfg, name))
+                else:
+                    deployments.append(build_deployment(route.name, cfg, name, settings.resilience))
             groups.append(ModelGroup(route.name, deployments, routing=route.routing, fallbacks=route.fallbacks))
-        return cls(settings, groups)
+        gateway = cls(settings, groups)
+        gateway.memberships = [Membership(gateway.groups[model], cfg, name, gateway._join, gateway._leave)
+                               for model, cfg, name in templates]
+        return gateway
 
     # -------------------------------------------------------------------------------- lifecycle
     @property
@@ -93,26 +99,59 @@ class Gateway:
         for backend in self.backends:
             log.info("starting backend %s", backend.name)
             await backend.start()
+        for membership in self.memberships:  # the replicas there are now, before readiness is first told
+            await membership.refresh()
         await self.health.check_once()
         self.health.start()
         for group in self.groups.values():
             await group.prepare()
         self._background = [asyncio.create_task(job(), name=f"routing {g.name}")
                             for g in self.groups.values() for job in g.policy.background()]
+        self._background += [asyncio.create_task(m.run(), name=f"discovery {m.name}") for m in self.memberships]
         for group in self.groups.values():
             for d in group.deployments:
                 log.info("model %-28s -> %-32s %s", group.name, d.name, "up" if d.healthy else "DOWN")
 
     async def close(self) -> None:
-        for task in self._background:
+        tasks = [*self._background, *self._retiring, *(t for jobs in self._replica_jobs.values() for t in jobs)]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.health.stop()
         for backend in self.backends:
             await backend.close()
         await self.rate_limiter.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.close)  # exports what is buffered
+
+    async def _join(self, group: ModelGroup, cfg: DeploymentConfig) -> Deployment:
+        """A discovered replica: built, started, checked once, then routed to."""
+        d = build_deployment(group.name, cfg, cfg.name, self.resilience)
+        await d.backend.start()
+        d.healthy = await self.health.check(d)
+        d.breaker.on_change = self._breaker_exporter(d)
+        self._export_health(d)
+        self._replica_jobs[d] = [asyncio.create_task(job(), name=f"routing {d.name}") for job in group.join(d)]
+        log.info("model %-28s -> %-32s joined (%s)", group.name, d.name, "up" if d.healthy else "DOWN")
+        return d
+
+    def _leave(self, group: ModelGroup, d: Deployment) -> None:
+        """A replica gone: no new request goes to it; it is closed once what it runs is done."""
+        group.leave(d)
+        for task in self._replica_jobs.pop(d, []):
+            task.cancel()
+        log.info("model %-28s -> %-32s left (%d request(s) to finish)", group.name, d.name, d.outstanding)
+        task = asyncio.create_task(self._retire(group.name, d), name=f"retire {d.name}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, model: str, d: Deployment) -> None:
+        try:
+            while d.outstanding:
+                await asyncio.sleep(0.1)
+        finally:
+            await d.backend.close()
+            self.metrics.forget_deployment(model, d.name)
 
     def _export_health(self, d: Deployment) -> None:
         self.metrics.backend_healthy.labels(d.name).set(1 if d.healthy else 0)
@@ -271,6 +310,14 @@ class Gateway:
                 m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
                 m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
                 await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
+
+
+def build_deployment(model: str, cfg: DeploymentConfig, name: str, resilience: Resilience) -> Deployment:
+    """The deployment ``cfg`` describes, under ``name``, its backend built (not started)."""
+    return Deployment(name=name, backend=build_backend(model, cfg), weight=cfg.weight,
+                      limiter=ConcurrencyLimiter(cfg.max_concurrency, cfg.max_queue),
+                      breaker=CircuitBreaker(resilience.breaker_failures, resilience.breaker_cooldown_s),
+                      first_token_timeout_s=cfg.first_token_timeout_s, total_timeout_s=cfg.total_timeout_s, config=cfg)
 
 
 async def _choose(group: ModelGroup, request: GenerationRequest, tried: list[Deployment],

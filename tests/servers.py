@@ -26,11 +26,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app, timeout: float = 120.0, **options) -> Iterator[str]:
-    """Run an ASGI app under uvicorn (``options`` for its ``Config``) on a free loopback port; yields its
-    base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+def serve_app(app, timeout: float = 120.0, host: str = "127.0.0.1", port: int | None = None,
+              **options) -> Iterator[str]:
+    """Run an ASGI app under uvicorn (``options`` for its ``Config``) on ``host`` (any loopback address) at
+    ``port`` (default: a free one); yields its base URL."""
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -40,7 +41,7 @@ def serve_app(app, timeout: float = 120.0, **options) -> Iterator[str]:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

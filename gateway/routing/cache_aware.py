@@ -84,6 +84,15 @@ class CacheAware(Policy):
         followed = [d for d in self.deployments if getattr(d.config, "kv_events", None)]
         return [self.loads.run, *(functools.partial(self._follow, d) for d in followed)]
 
+    def joined(self, deployment: Deployment) -> list:
+        return [functools.partial(self._follow, deployment)] if getattr(deployment.config, "kv_events", None) else []
+
+    def left(self, deployment: Deployment) -> None:
+        """A replica gone: its blocks leave the index (a replica back at its address starts empty)."""
+        self.index.cleared(deployment.name)
+        self.events_at.pop(deployment.name, None)
+        self.loads.forget(deployment)
+
     async def _follow(self, d: Deployment) -> None:
         """Keep ``d``'s index precise from its engine's KV events, for as long as the gateway serves."""
         def apply(events: list) -> None:

@@ -78,16 +78,25 @@ class LoadReader:
             return None
         return load
 
+    def forget(self, deployment: Deployment) -> None:
+        """A replica gone: its last load is no longer anyone's."""
+        self.loads.pop(deployment.name, None)
+
     async def run(self) -> None:
-        remote = [(d, url) for d in self.deployments if (url := metrics_url(d)) is not None]
-        if not remote:
-            return
-        async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=self.interval_s, verify=_tls(d)))
-                       for d, _ in remote]
+        clients: dict[str, httpx.AsyncClient] = {}  # per deployment (its own TLS settings); replicas come and go
+        try:
             while True:
-                await asyncio.gather(*(self._read(http, d, url) for http, (d, url) in zip(clients, remote)))
+                remote = [(d, url) for d in self.deployments if (url := metrics_url(d)) is not None]
+                for name in clients.keys() - {d.name for d, _ in remote}:
+                    await clients.pop(name).aclose()
+                for d, _ in remote:
+                    if d.name not in clients:
+                        clients[d.name] = httpx.AsyncClient(timeout=self.interval_s, verify=_tls(d))
+                await asyncio.gather(*(self._read(clients[d.name], d, url) for d, url in remote))
                 await asyncio.sleep(self.interval_s)
+        finally:
+            for client in clients.values():
+                await client.aclose()
 
     async def _read(self, http: httpx.AsyncClient, deployment: Deployment, url: str) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError):  # unreachable or not Prometheus: stale, then None

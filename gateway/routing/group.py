@@ -30,6 +30,16 @@ class ModelGroup:
         """The routing policy's name."""
         return self.policy.name
 
+    def join(self, deployment: Deployment) -> list:
+        """A replica found by discovery takes requests from now on; returns the policy's jobs for it."""
+        self.deployments.append(deployment)  # the policy's list too: the same object
+        return self.policy.joined(deployment)
+
+    def leave(self, deployment: Deployment) -> None:
+        """A replica gone: no new request goes to it (the ones it runs finish)."""
+        self.deployments.remove(deployment)
+        self.policy.left(deployment)
+
     @property
     def ready(self) -> bool:
         return any(d.healthy for d in self.deployments)

@@ -86,6 +86,14 @@ class Policy(abc.ABC):
         """``deployment`` answered ``request``: ``tokens`` are its prompt's and its answer's, as the engine holds
         them now (what a next turn of the conversation begins with)."""
 
+    def joined(self, deployment: Deployment) -> list[Callable[[], Any]]:
+        """``deployment`` (a discovered replica) takes requests from now on; returns the coroutine functions to run
+        for it while it stays (as ``background``'s, but for it alone)."""
+        return []
+
+    def left(self, deployment: Deployment) -> None:  # noqa: B027 (a hook)
+        """``deployment`` takes no more requests (a replica gone): forget what was kept about it."""
+
     def load(self, deployment: Deployment) -> float:
         """Requests ``deployment`` runs and queues per unit of weight, as this policy sees them (this gateway's own
         in-flight count unless the policy reads the engines')."""

@@ -35,6 +35,13 @@ class PrefixAffinity(Policy):
         super().__init__(config, deployments)
         self._ring = _HashRing(deployments)
 
+    def joined(self, deployment: Deployment) -> list:
+        self._ring = _HashRing(self.deployments)  # consistent: only the prefixes it now owns move to it
+        return []
+
+    def left(self, deployment: Deployment) -> None:
+        self._ring = _HashRing(self.deployments)
+
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
         chosen = self._ring.lookup(prefix_key(request.request, self.config.prefix_chars), candidates)
         idlest = min(d.outstanding for d in candidates)

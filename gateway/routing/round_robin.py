@@ -23,6 +23,13 @@ class RoundRobin(Policy):
         super().__init__(config, deployments)
         self._current = {id(d): 0.0 for d in deployments}
 
+    def joined(self, deployment: Deployment) -> list:
+        self._current[id(deployment)] = 0.0
+        return []
+
+    def left(self, deployment: Deployment) -> None:
+        self._current.pop(id(deployment), None)
+
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
         total = 0.0
         for d in candidates:

@@ -113,3 +113,18 @@ def test_no_policy_chooses_an_unhealthy_open_or_excluded_deployment(policy):
 
     assert asyncio.run(routed()) == {"good"}
     assert {group.choose(request(f"p{i}"), exclude=[tried]).name for i in range(40)} == {"good"}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_replica_that_joins_takes_requests_and_one_that_leaves_never_again(policy):
+    """Discovered replicas come and go (gateway/discovery/): every policy routes to one that joined and forgets one
+    that left, whatever it kept about it."""
+    a, b, c = deployment("a"), deployment("b"), deployment("c")
+    group = ModelGroup("m", [a, b], routing=POLICIES[policy].Config(policy=policy))
+    assert group.join(c) == []  # no KV events configured: no job to run for it
+    prompts = [request(f"prompt {i} " * 20, prompt_ids=True) for i in range(60)]
+    assert c in {asyncio.run(group.route(p)).deployment for p in prompts}
+    group.leave(a)
+    assert a not in {asyncio.run(group.route(p)).deployment for p in prompts}
+    if (blocks := group.policy.index_blocks(a)) is not None:
+        assert blocks == 0  # its prefix index is gone with it
