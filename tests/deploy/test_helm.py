@@ -63,6 +63,25 @@ def test_vllm_and_tgi_are_toggles_and_join_the_model():
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.9" and args[-2:] == ["--max-model-len", "4096"]
 
 
+@pytest.mark.parametrize("discovery", ["kubernetes", "dns", "service"])
+def test_the_gateway_finds_each_vllm_replica_as_the_discovery_value_says(discovery):
+    objects = helm_objects({"vllm": {"enabled": True, "replicas": 4, "discovery": discovery}})
+    (vllm,) = [d for d in gateway_settings(objects).models[0].deployments if d.name == "vllm"]
+    services = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Service"}
+    pod = gateway_pod(objects)
+    if discovery == "kubernetes":
+        assert vllm.discover.selector == "kubernetes.io/service-name=demo-burstgate-vllm"
+        assert vllm.discover.port_name == "http" and "http" in {p["name"] for p in services["demo-burstgate-vllm"]["ports"]}
+        assert pod["serviceAccountName"] == "demo-burstgate" and pod["automountServiceAccountToken"] is True
+    elif discovery == "dns":
+        assert vllm.discover.name == "demo-burstgate-vllm-headless"
+        assert services["demo-burstgate-vllm-headless"]["clusterIP"] == "None"
+    else:
+        assert vllm.discover is None and vllm.url == "http://demo-burstgate-vllm:8000/v1"
+    if discovery != "kubernetes":
+        assert pod["automountServiceAccountToken"] is False and not any(o["kind"] == "Role" for o in objects)
+
+
 def test_without_autoscaling_the_deployment_carries_the_replicas():
     objects = helm_objects({"gateway": {"autoscaling": {"enabled": False}, "replicas": 3}})
     assert "HorizontalPodAutoscaler" not in kinds(objects)

@@ -120,16 +120,25 @@ def test_the_gateway_runs_as_many_threads_as_its_cpu_limit(objects):
 def test_every_pod_meets_the_restricted_profile_where_its_image_allows(objects):
     """Pod Security Standards, "restricted": the gateway and Redis fully; vLLM's and TGI's images run as
     root, so they get everything but the user."""
+    bound = {subject["name"] for o in objects if o["kind"] == "RoleBinding" for subject in o["subjects"]}
     for name, pod in pods(objects):
         context = pod.get("securityContext", {})
         assert context.get("seccompProfile") == {"type": "RuntimeDefault"}, name
-        assert pod.get("automountServiceAccountToken") is False, name
+        # no API token, except for a pod whose own service account is granted something (the gateway's discovery)
+        assert pod.get("automountServiceAccountToken") is False or pod.get("serviceAccountName") in bound, name
         for c in pod["containers"]:
             sc = c.get("securityContext", {})
             assert sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities") == {"drop": ["ALL"]}, name
             if c["name"] in ("gateway", "redis"):
                 assert context["runAsNonRoot"] is True and isinstance(context["runAsUser"], int), name
                 assert sc["readOnlyRootFilesystem"] is True, name
+
+
+def test_what_the_api_lets_a_pod_do_is_read_endpointslices_and_nothing_else(objects):
+    for role in (o for o in objects if o["kind"] in ("Role", "ClusterRole")):
+        assert role["kind"] == "Role"  # this namespace only
+        assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                  "verbs": ["get", "list", "watch"]}]
 
 
 def test_client_keys_reach_the_gateway_only_from_a_secret(objects):

@@ -41,8 +41,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "burstgate.gatewayConfig" -}}
 {{- $deployments := list }}
 {{- if .Values.vllm.enabled }}
-{{- $url := printf "http://%s:8000/v1" (include "burstgate.component" (dict "component" "vllm" "Values" .Values "Release" .Release "Chart" .Chart)) }}
-{{- $deployments = append $deployments (dict "kind" "openai" "name" "vllm" "url" $url "upstream_model" .Values.vllm.servedModelName "api_key" "os.environ/VLLM_API_KEY" "weight" .Values.vllm.weight "first_token_timeout_s" 60) }}
+{{- $service := include "burstgate.component" (dict "component" "vllm" "Values" .Values "Release" .Release "Chart" .Chart) }}
+{{- $vllm := dict "kind" "openai" "name" "vllm" "url" (printf "http://%s:8000/v1" $service) "upstream_model" .Values.vllm.servedModelName "api_key" "os.environ/VLLM_API_KEY" "weight" .Values.vllm.weight "first_token_timeout_s" 60 }}
+{{- if eq .Values.vllm.discovery "kubernetes" }}
+{{- $_ := set $vllm "discover" (dict "source" "kubernetes" "selector" (printf "kubernetes.io/service-name=%s" $service) "port_name" "http") }}
+{{- else if eq .Values.vllm.discovery "dns" }}
+{{- $_ := set $vllm "discover" (dict "source" "dns" "name" (printf "%s-headless" $service)) }}
+{{- end }}
+{{- $deployments = append $deployments $vllm }}
 {{- end }}
 {{- if .Values.tgi.enabled }}
 {{- $url := printf "http://%s:80" (include "burstgate.component" (dict "component" "tgi" "Values" .Values "Release" .Release "Chart" .Chart)) }}
@@ -61,4 +67,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- $_ := set $config "server" (dict "drain_grace_s" .Values.gateway.drain.graceSeconds "drain_timeout_s" .Values.gateway.drain.timeoutSeconds) }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
+{{- end }}
+
+{{/* The gateway reads the vLLM Service's EndpointSlices (vllm.discovery: kubernetes). */}}
+{{- define "burstgate.discoversKubernetes" -}}
+{{- if and .Values.vllm.enabled (eq .Values.vllm.discovery "kubernetes") }}true{{ end }}
 {{- end }}
