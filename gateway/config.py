@@ -153,6 +153,8 @@ class ApiKey(_Strict):
 class Limits(_Strict):
     max_body_bytes: int = Field(2_000_000, ge=1024)
     redis_url: str | None = None  # shared rate-limit counters when several replicas run
+    # the keys' rate windows (requests_per_minute and tokens_per_minute count per window): a minute unless said
+    window_s: float = Field(60.0, gt=0)
 
 
 class ResponsesStore(_Strict):

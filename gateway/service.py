@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -27,7 +28,7 @@ from gateway.discovery.membership import Membership
 from gateway.drain import Drain
 from gateway.errors import GatewayError, model_not_found
 from gateway.health import HealthChecker
-from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter
+from gateway.limits import ConcurrencyLimiter, KeyLimits, RateLimiter, RedisRateLimiter, estimated_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Choice, Conversation, ModelGroup
 from gateway.tracing import Tracing
@@ -37,10 +38,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Caller:
-    """Who is asking: the API key's name (or 'anonymous') and its limits."""
+    """Who is asking: the API key's name (or 'anonymous') and its limits; once admitted, the rate window that
+    admitted the request (where its tokens are charged)."""
 
     name: str
     limits: KeyLimits
+    window: int | None = None
 
 
 ANONYMOUS = Caller("anonymous", KeyLimits())
@@ -58,8 +61,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.drain = Drain(settings.server.drain_grace_s, settings.server.drain_timeout_s)
         self.tracing = Tracing.from_config(settings.tracing)  # None when off: one check per span
-        self.rate_limiter = rate_limiter or (RedisRateLimiter(settings.limits.redis_url)
-                                             if settings.limits.redis_url else RateLimiter())
+        limits = settings.limits
+        self.rate_limiter = rate_limiter or (RedisRateLimiter(limits.redis_url, limits.window_s)
+                                             if limits.redis_url else RateLimiter(limits.window_s))
         self.health = HealthChecker(groups, self.resilience.health_interval_s, self.resilience.health_timeout_s,
                                     on_change=self._export_health)
         self.metrics.watch_engines(self._engine_stats)
@@ -68,6 +72,7 @@ class Gateway:
         self.memberships: list[Membership] = []  # discovered deployments (from_settings)
         self._replica_jobs: dict[Deployment, list[asyncio.Task]] = {}  # a discovered replica's policy jobs
         self._retiring: set[asyncio.Task] = set()  # replicas gone, finishing what they run
+        self._settling: set[asyncio.Task] = set()  # token charges of requests that ended
         for d in self.health.deployments:
             d.breaker.on_change = self._breaker_exporter(d)
 
@@ -120,6 +125,7 @@ class Gateway:
         await self.health.stop()
         for backend in self.backends:
             await backend.close()
+        await asyncio.gather(*self._settling, return_exceptions=True)
         await self.rate_limiter.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.close)  # exports what is buffered
@@ -171,11 +177,14 @@ class Gateway:
                     yield group.name, d.name, stats
 
     # ---------------------------------------------------------------------------------- serving
-    async def admit(self, caller: Caller) -> None:
-        """Count the request against the caller's limits; a spent limit raises a 429."""
+    async def admit(self, caller: Caller, requests: list[GenerationRequest]) -> Caller:
+        """Count the request (its generation ``requests``) against the caller's limits, reserving the tokens they
+        may use; a spent limit raises a 429. Returns the caller as admitted: ``generate`` charges it."""
         span = self.tracing.start("admit", {"burstgate.key": caller.name}) if self.tracing else None
+        reserve = sum(map(estimated_tokens, requests)) if caller.limits.tokens_per_minute is not None else 0
         try:
-            await self.rate_limiter.admit(caller.name, caller.limits)
+            window = await self.rate_limiter.admit(caller.name, caller.limits, reserve)
+            return dataclasses.replace(caller, window=window)
         except GatewayError as exc:
             self.metrics.rate_limited.labels(caller.name).inc()
             if span is not None:
@@ -200,7 +209,28 @@ class Gateway:
         """Stream one request. Failures before the first chunk are retried on other deployments (with
         backoff), then on the fallback models; the last error propagates as raised. After the first
         chunk a failure ends the stream. Closing the iterator aborts the backend's work. A request of a
-        ``conversation`` is routed to where the conversation is held, and says where it was served."""
+        ``conversation`` is routed to where the conversation is held, and says where it was served. When it ends,
+        however it ends, the caller's token budget is charged what its attempts used, against what ``admit``
+        reserved for it."""
+        used: list[int] = []  # tokens per attempt
+        try:
+            async with contextlib.aclosing(self._attempts(group, request, caller, conversation, used)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if caller.window is not None and caller.limits.tokens_per_minute is not None:
+                # a task of its own: a request ended by its client's hang-up is being cancelled, and an await here
+                # would be cancelled too (anyio cancels every await of a cancelled scope), leaving it charged its
+                # reservation instead of what it used
+                settle = asyncio.create_task(self.rate_limiter.settle(
+                    caller.name, caller.limits, caller.window, estimated_tokens(request), sum(used)))
+                self._settling.add(settle)
+                settle.add_done_callback(self._settling.discard)
+
+    async def _attempts(self, group: ModelGroup, request: GenerationRequest, caller: Caller,
+                        conversation: Conversation | None, used: list[int]) -> AsyncIterator[GenerationChunk]:
+        """``generate``'s tries: deployments, retries and fallbacks; each attempt adds the tokens it used to
+        ``used``."""
         attempt, last_error, failed = 0, None, None
         for g in [group, *(self.groups[name] for name in group.fallbacks)]:
             if g is not group:
@@ -233,7 +263,7 @@ class Gateway:
                 started = False
                 answer: list[str] = []  # the first choice's text, for the routing policy once it is done
                 try:
-                    async with contextlib.aclosing(self._attempt(g, deployment, request, caller)) as chunks:
+                    async with contextlib.aclosing(self._attempt(g, deployment, request, used)) as chunks:
                         async for chunk in chunks:
                             started = True
                             if chunk.index == 0 and chunk.text:
@@ -251,8 +281,9 @@ class Gateway:
         raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
 
     async def _attempt(self, group: ModelGroup, deployment: Deployment, request: GenerationRequest,
-                       caller: Caller) -> AsyncIterator[GenerationChunk]:
-        """One try on one deployment: its slot held, its deadlines enforced, its breaker and metrics fed."""
+                       used: list[int]) -> AsyncIterator[GenerationChunk]:
+        """One try on one deployment: its slot held, its deadlines enforced, its breaker and metrics fed; the
+        tokens it used (also when it ends early) added to ``used``."""
         labels = (group.name, deployment.name)
         m = self.metrics
         start = last = time.perf_counter()
@@ -306,10 +337,10 @@ class Gateway:
                 span.set_attributes({"burstgate.status": status, "gen_ai.usage.input_tokens": usage.prompt_tokens,
                                      "gen_ai.usage.output_tokens": usage.completion_tokens})
                 span.end()
+            used.append(usage.total_tokens)
             if usage.total_tokens:
                 m.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
                 m.generation_tokens.labels(*labels).inc(usage.completion_tokens)
-                await self.rate_limiter.charge_tokens(caller.name, caller.limits, usage.total_tokens)
 
 
 def build_deployment(model: str, cfg: DeploymentConfig, name: str, resilience: Resilience) -> Deployment:

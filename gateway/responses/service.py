@@ -88,7 +88,7 @@ class Responses:
         rid = response_id()
         generation = body.chat_request(history).generation_request(rid)
         group = self.gateway.group(body.model)
-        await self.gateway.admit(caller)
+        caller = await self.gateway.admit(caller, [generation])
         conversation = Conversation(held_by=previous.deployment if previous else None, session=body.prompt_cache_key)
         chunks = self.gateway.generate(group, generation, caller, conversation)
         items = [item.stored() for item in body.input_items()]

@@ -41,7 +41,7 @@ async def serve(request: Request, body: ChatCompletionRequest | CompletionReques
     """Admit the caller, route every generation request and answer: folded, or as a stream of events."""
     gateway = gateway_of(request)
     group = gateway.group(body.model)
-    await gateway.admit(caller)
+    caller = await gateway.admit(caller, gens)
     streams = [gateway.generate(group, gen, caller) for gen in gens]
     stream = streams[0] if len(streams) == 1 else streaming.merge(streams, gens[0].params.n)
     if not body.stream:

@@ -10,13 +10,16 @@ import openai
 import pytest
 
 from gateway.app import create_app
-from gateway.config import Settings, hash_key
-from gateway.limits import WINDOW_S, RedisRateLimiter
+from gateway.config import Limits, Settings, hash_key
+from gateway.limits import RedisRateLimiter
 from gateway.service import Gateway
 from tests.conftest import MODEL
 from tests.servers import free_port, redis_server, serve_app
 
 BODY = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+
+WINDOW_S = Limits().window_s
 
 
 def _fresh_window() -> None:
@@ -68,13 +71,18 @@ def test_requests_per_minute_limit_is_429_with_retry_after(start_gateway):
         assert 'burstgate:rate_limited_requests_total{key="tiny"} 3.0' in metrics
 
 
-def test_tokens_per_minute_limit(start_gateway):
+def test_tokens_per_minute_limit_reserves_what_a_request_may_use_and_charges_what_it_used(start_gateway):
+    """As OpenAI counts it: a request reserves its prompt (estimated at 4 characters a token) and its max_tokens,
+    is refused when that would pass the budget, and is charged what it really used once it ends."""
     _fresh_window()
-    with start_gateway(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 20}]) as (url, _):
-        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}
-        assert _post(url, "sk-k", body).status_code == 200  # ~10 tokens
-        assert _post(url, "sk-k", body).status_code == 200  # ~20: now spent
-        assert _post(url, "sk-k", body).status_code == 429
+    with start_gateway(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 21}]) as (url, _):
+        body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True}  # reserves 3 + 8
+        assert _post(url, "sk-k", body).status_code == 200  # used 2 + 8: 10 spent
+        assert _post(url, "sk-k", body).status_code == 200  # 10 + 11 fits; used 10: 20 spent
+        refused = _post(url, "sk-k", body)  # 20 + 11 does not
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+        too_large = _post(url, "sk-k", {**body, "max_tokens": 30})  # more than the whole budget: never fits
+        assert too_large.status_code == 429 and "Request too large" in too_large.json()["error"]["message"]
 
 
 def test_tokens_of_an_abandoned_stream_are_charged_and_counted(start_gateway, engine_idle):
@@ -82,22 +90,25 @@ def test_tokens_of_an_abandoned_stream_are_charged_and_counted(start_gateway, en
     before then is charged, and counted, for the tokens it got."""
     _fresh_window()
     with start_gateway() as (upstream, _):
-        settings = Settings(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 12}], models=[
+        settings = Settings(api_keys=[{"name": "tok", "key": "sk-k", "tokens_per_minute": 150}], models=[
             {"name": MODEL, "deployments": [{"kind": "openai", "url": f"{upstream}/v1", "upstream_model": MODEL}]}])
         with serve_app(create_app(Gateway.from_settings(settings))) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-k", max_retries=0)
-            stream = client.completions.create(model=MODEL, prompt="Count:", max_tokens=1000, stream=True,
-                                               extra_body={"ignore_eos": True})
+            stream = client.completions.create(model=MODEL, prompt="Count:", max_tokens=100, stream=True,
+                                               extra_body={"ignore_eos": True})  # reserves 2 + 100 of 150
             for received, _ in enumerate(stream, start=1):
-                if received == 12:  # 12 tokens: the key's minute is spent, though no usage ever came
+                if received == 12:  # no usage has come yet
                     break
             stream.close()
             time.sleep(0.5)  # the gateway sees the hang-up and ends the attempt
             metrics = httpx.get(f"{url}/metrics").text
             counted = next(float(line.split()[-1]) for line in metrics.splitlines()
                            if line.startswith("burstgate:generation_tokens_total{"))
-            assert 12 <= counted < 1000  # what it generated before the hang-up, not its max_tokens
-            assert _post(url, "sk-k").status_code == 429
+            assert 12 <= counted < 100  # what it generated before the hang-up, not its max_tokens
+            # charged those, not its reservation: another 2 + 100 fits in what is left, a third does not
+            again = {"model": MODEL, "prompt": "Count:", "max_tokens": 100, "ignore_eos": True}
+            assert _post(url, "sk-k", again).status_code == 200
+            assert _post(url, "sk-k", again).status_code == 429
 
 
 def test_limits_are_shared_across_replicas_through_redis(start_gateway):
