@@ -40,17 +40,19 @@ def redis_on(port: int) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def fleet(tmp_path, redis_port: int) -> Iterator[list[str]]:
-    """The mock upstream and two gateways sharing Redis; yields the gateways' URLs."""
+def fleet(folder, redis_port: int, requests: int = REQUESTS, tokens: int = TOKENS,
+          window_s: float = WINDOW_S) -> Iterator[list[str]]:
+    """The mock upstream and two gateways sharing Redis (key "req": ``requests`` per window, key "tok": ``tokens``
+    per window); yields the gateways' URLs."""
     mock_port = free_port()
     upstream = spawn_mock_server(mock_port, model="upstream", itl_ms=20)
     deployment = {"kind": "openai", "url": f"http://127.0.0.1:{mock_port}/v1", "upstream_model": "upstream"}
-    config = tmp_path / "gateway.yaml"
+    config = folder / "gateway.yaml"
     config.write_text(yaml.safe_dump({
         "models": [{"name": "counted", "deployments": [deployment]}, {"name": "plain", "deployments": [deployment]}],
-        "api_keys": [{"name": "req", "key": "k-req", "requests_per_minute": REQUESTS},
-                     {"name": "tok", "key": "k-tok", "tokens_per_minute": TOKENS}],
-        "limits": {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "window_s": WINDOW_S}}))
+        "api_keys": [{"name": "req", "key": "k-req", "requests_per_minute": requests},
+                     {"name": "tok", "key": "k-tok", "tokens_per_minute": tokens}],
+        "limits": {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "window_s": window_s}}))
     gateways = []
     try:
         gateways = [start_burstgate("--config", str(config)) for _ in range(2)]
@@ -61,16 +63,16 @@ def fleet(tmp_path, redis_port: int) -> Iterator[list[str]]:
             process.wait(timeout=30)
 
 
-def window_of(t: float) -> int:
-    return int(t // WINDOW_S)
+def window_of(t: float, window_s: float = WINDOW_S) -> int:
+    return int(t // window_s)
 
 
-async def drive(urls: list[str], key: str, rate: float, windows: int, body: dict,
-                stream_every: int = 0) -> list[tuple[int, int]]:
+async def drive(urls: list[str], key: str, rate: float, windows: int, body: dict, stream_every: int = 0,
+                window_s: float = WINDOW_S) -> list[tuple[int, int]]:
     """``rate`` requests/s for ``windows`` whole windows, alternating the gateways, none sent within 0.3 s of a
     window's end (so each is admitted in the window it was sent in); every ``stream_every``-th request is streamed
     and every other such one abandoned after its first chunk. Returns (window, status) per request."""
-    start = (window_of(time.time()) + 1) * WINDOW_S
+    start = (window_of(time.time(), window_s) + 1) * window_s
     await asyncio.sleep(start - time.time())
     results: list[tuple[int, int]] = []
     async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -84,11 +86,11 @@ async def drive(urls: list[str], key: str, rate: float, windows: int, body: dict
                 status = r.status_code
             else:
                 status = (await client.post(url, json=body)).status_code
-            results.append((window_of(sent), status))
+            results.append((window_of(sent, window_s), status))
 
         tasks, i = [], 0
-        while (now := time.time()) < start + windows * WINDOW_S:
-            if now % WINDOW_S < WINDOW_S - 0.3:
+        while (now := time.time()) < start + windows * window_s:
+            if now % window_s < window_s - 0.3:
                 tasks.append(asyncio.create_task(one(i, now)))
                 i += 1
             await asyncio.sleep(1 / rate)
@@ -129,15 +131,20 @@ async def _both(urls: list[str], shared: redis.asyncio.Redis, charged: dict[int,
     return await asyncio.gather(drive(urls, "k-req", 2 * REQUESTS / WINDOW_S, 4, {"model": "plain", "prompt": "Hi",
                                                                                 "max_tokens": 2}),
                                 drive(urls, "k-tok", 2 * TOKENS / 6 / WINDOW_S, 4, TOKEN_BODY, stream_every=3),
-                                _read_windows(shared, 4, charged))
+                                read_windows(shared, 4, charged))
 
 
-async def _read_windows(shared: redis.asyncio.Redis, windows: int, charged: dict[int, int]) -> None:
-    """Each window's tokens as Redis holds them 1 s after it ended (its requests settled; before the key expires)."""
-    first = window_of(time.time()) + 1
+async def read_windows(shared: redis.asyncio.Redis, windows: int, charged: dict[int, int | None],
+                       window_s: float = WINDOW_S) -> None:
+    """Each window's tokens as Redis holds them 1 s after it ended (its requests settled; before the key expires);
+    None where Redis did not answer."""
+    first = window_of(time.time(), window_s) + 1
     for w in range(first, first + windows):
-        await asyncio.sleep((w + 1) * WINDOW_S + 1.0 - time.time())
-        charged[w] = int(await shared.get(f"burstgate:tok:tok:{w}") or 0)
+        await asyncio.sleep((w + 1) * window_s + 1.0 - time.time())
+        try:
+            charged[w] = int(await shared.get(f"burstgate:tok:tok:{w}") or 0)
+        except redis.RedisError:
+            charged[w] = None
     await shared.aclose()
 
 
