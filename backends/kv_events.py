@@ -113,9 +113,11 @@ class ZmqEventPublisher:
 
 
 async def follow(endpoint: str, topic: str, on_events: Callable[[list[KVCacheEvent]], Any],
-                 on_gap: Callable[[int], Any] = lambda missed: None) -> None:
+                 on_gap: Callable[[int], Any] = lambda missed: None,
+                 on_restart: Callable[[], Any] = lambda: None) -> None:
     """Read the events published at ``endpoint`` (ZMQ SUB, reconnecting by itself) until cancelled, handing each
-    batch's events to ``on_events``; ``on_gap`` hears how many batches were missed when the sequence jumps."""
+    batch's events to ``on_events``; ``on_gap`` hears how many batches were missed when the sequence jumps ahead,
+    ``on_restart`` that it began again (the engine restarted: its cache is empty)."""
     import zmq
     import zmq.asyncio
 
@@ -132,6 +134,8 @@ async def follow(endpoint: str, topic: str, on_events: Callable[[list[KVCacheEve
             seq = int.from_bytes(frames[1], "big", signed=True)
             if expected is not None and seq > expected:
                 on_gap(seq - expected)
+            elif expected is not None and seq < expected:
+                on_restart()
             expected = seq + 1
             try:
                 events = decode_events(frames[2])

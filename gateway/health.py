@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 class HealthChecker:
     def __init__(self, groups: list[ModelGroup], interval_s: float = 5.0, timeout_s: float = 5.0,
                  on_change: Callable[[Deployment], None] | None = None) -> None:
+        """``on_change`` hears every deployment after each check (its health may or may not have changed); a
+        deployment that turns unhealthy is forgotten by its groups' routing policies (its cache may be gone)."""
         self.groups = groups
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -36,6 +38,10 @@ class HealthChecker:
         for d, ok in zip(deployments, results):
             if ok != d.healthy:
                 log.warning("backend %s is now %s", d.name, "healthy" if ok else "UNHEALTHY")
+                if not ok:
+                    for group in self.groups:
+                        if d in group.deployments:
+                            group.policy.forget(d)
             d.healthy = ok
             if self.on_change:
                 self.on_change(d)

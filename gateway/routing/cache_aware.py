@@ -87,8 +87,8 @@ class CacheAware(Policy):
     def joined(self, deployment: Deployment) -> list:
         return [functools.partial(self._follow, deployment)] if getattr(deployment.config, "kv_events", None) else []
 
-    def left(self, deployment: Deployment) -> None:
-        """A replica gone: its blocks leave the index (a replica back at its address starts empty)."""
+    def forget(self, deployment: Deployment) -> None:
+        """A replica gone or down: its blocks leave the index (it comes back with an empty cache)."""
         self.index.cleared(deployment.name)
         self.events_at.pop(deployment.name, None)
         self.loads.forget(deployment)
@@ -110,7 +110,11 @@ class CacheAware(Policy):
             log.warning("KV events of %s: %d batches missed; its index may keep blocks the engine dropped", d.name,
                         missed)
 
-        await follow(d.config.kv_events, d.config.kv_events_topic, apply, gap)
+        def restart() -> None:
+            log.warning("KV events of %s begin again: its engine restarted, its index is emptied", d.name)
+            self.index.cleared(d.name)
+
+        await follow(d.config.kv_events, d.config.kv_events_topic, apply, gap, restart)
 
     def index_precise(self, deployment: Deployment) -> bool:
         """Whether the deployment's index follows its engine's KV events (a batch within the last

@@ -38,7 +38,7 @@ class ModelGroup:
     def leave(self, deployment: Deployment) -> None:
         """A replica gone: no new request goes to it (the ones it runs finish)."""
         self.deployments.remove(deployment)
-        self.policy.left(deployment)
+        self.policy.forget(deployment)
 
     @property
     def ready(self) -> bool:

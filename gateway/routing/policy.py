@@ -91,8 +91,9 @@ class Policy(abc.ABC):
         for it while it stays (as ``background``'s, but for it alone)."""
         return []
 
-    def left(self, deployment: Deployment) -> None:  # noqa: B027 (a hook)
-        """``deployment`` takes no more requests (a replica gone): forget what was kept about it."""
+    def forget(self, deployment: Deployment) -> None:  # noqa: B027 (a hook)
+        """``deployment`` left (a replica gone), or went down (its engine may come back empty): forget what was
+        kept about what it holds."""
 
     def load(self, deployment: Deployment) -> float:
         """Requests ``deployment`` runs and queues per unit of weight, as this policy sees them (this gateway's own

@@ -39,7 +39,7 @@ class PrefixAffinity(Policy):
         self._ring = _HashRing(self.deployments)  # consistent: only the prefixes it now owns move to it
         return []
 
-    def left(self, deployment: Deployment) -> None:
+    def forget(self, deployment: Deployment) -> None:
         self._ring = _HashRing(self.deployments)
 
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:

@@ -27,8 +27,9 @@ class RoundRobin(Policy):
         self._current[id(deployment)] = 0.0
         return []
 
-    def left(self, deployment: Deployment) -> None:
-        self._current.pop(id(deployment), None)
+    def forget(self, deployment: Deployment) -> None:
+        if deployment not in self.deployments:  # down is not gone: it keeps its turn
+            self._current.pop(id(deployment), None)
 
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
         total = 0.0
