@@ -56,7 +56,8 @@ HELM_VALUES = {
     "helm-gpu": {"vllm": {"enabled": True}, "tgi": {"enabled": True}, "apiKeys": {"existingSecret": "burstgate-keys"}},
     "helm-fixed-replicas": {"gateway": {"autoscaling": {"enabled": False}}, "redis": {"enabled": False},
                             "apiKeys": {"keys": [{"name": "team-a", "key": "k-1"}]}},
-    "helm-tls": {"gateway": {"tls": {"secretName": "gateway-cert"}, "drain": {"preStopSeconds": 10, "graceSeconds": 2,
+    "helm-tls": {"gateway": {"tls": {"secretName": "gateway-cert"},
+                             "tracing": {"otlpTracesEndpoint": "http://otel-collector:4318/v1/traces"}, "drain": {"preStopSeconds": 10, "graceSeconds": 2,
                                                                              "timeoutSeconds": 900}}},
 }
 

@@ -134,6 +134,14 @@ def test_a_tls_secret_serves_https_and_the_probes_and_scrapes_follow():
     assert "--ssl-certfile" not in plain["args"] and "scheme" not in plain["readinessProbe"]["httpGet"]
 
 
+def test_tracing_is_off_unless_a_collector_is_named():
+    assert gateway_settings(helm_objects()).tracing.otlp_traces_endpoint is None
+    tracing = gateway_settings(helm_objects({"gateway": {"tracing": {
+        "otlpTracesEndpoint": "http://otel-collector:4318/v1/traces", "sampleRatio": 0.25}}})).tracing
+    assert (tracing.otlp_traces_endpoint, tracing.sample_ratio) == ("http://otel-collector:4318/v1/traces", 0.25)
+    assert tracing.service_name == "demo-burstgate"
+
+
 def test_the_drain_values_reach_the_gateway_and_its_grace_period():
     objects = helm_objects({"gateway": {"drain": {"preStopSeconds": 7, "graceSeconds": 3, "timeoutSeconds": 600}}})
     server = gateway_settings(objects).server

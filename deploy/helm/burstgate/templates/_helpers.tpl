@@ -66,6 +66,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- $_ := set $config "limits" (dict "redis_url" $redis) }}
 {{- end }}
 {{- $_ := set $config "server" (dict "drain_grace_s" .Values.gateway.drain.graceSeconds "drain_timeout_s" .Values.gateway.drain.timeoutSeconds) }}
+{{- with .Values.gateway.tracing.otlpTracesEndpoint }}
+{{- $_ := set $config "tracing" (dict "otlp_traces_endpoint" . "sample_ratio" $.Values.gateway.tracing.sampleRatio "service_name" (include "burstgate.fullname" $)) }}
+{{- end }}
 {{- toYaml (mergeOverwrite $config (deepCopy .Values.gateway.config)) }}
 {{- end }}
 
