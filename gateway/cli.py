@@ -193,7 +193,8 @@ def serve(
     ssl_certfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
                                                       "the server's certificate chain (PEM).")] = None,
     ssl_ca_certs: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="The CAs that "
-                                                      "sign client certificates (mutual TLS, with --ssl-cert-reqs).")] = None,
+                                                      "sign client certificates (mutual TLS, with "
+                                                      "--ssl-cert-reqs).")] = None,
     ssl_cert_reqs: Annotated[int, typer.Option(min=0, max=2, metavar="N", help="Client certificates: 0 not asked "
                                                "for, 1 checked when given, 2 required (Python's ssl.CERT_*, as "
                                                "uvicorn's and vLLM's flag).")] = 0,

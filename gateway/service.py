@@ -214,71 +214,68 @@ class Gateway:
         reserved for it."""
         used: list[int] = []  # tokens per attempt
         try:
-            async with contextlib.aclosing(self._attempts(group, request, caller, conversation, used)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            attempt, last_error, failed = 0, None, None
+            for g in [group, *(self.groups[name] for name in group.fallbacks)]:
+                if g is not group:
+                    self.metrics.fallbacks.labels(group.name, g.name).inc()
+                    log.warning("model %s: falling back to %s after %s", group.name, g.name, last_error)
+                tried: list[Deployment] = []
+                for _ in range(self.resilience.retries + 1):
+                    if attempt:
+                        r = self.resilience
+                        await asyncio.sleep(random.uniform(0, min(r.retry_backoff_max_s,
+                                                                  r.retry_backoff_s * 2 ** (attempt - 1))))
+                    choice = await _choose(g, request, tried, conversation if g is group else None)
+                    if choice is None:
+                        last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
+                        break
+                    deployment = choice.deployment
+                    if conversation is not None:
+                        conversation.served_by = deployment.name
+                    self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
+                    if self.tracing is not None:
+                        self.tracing.route(g.name, g.routing, choice, attempt + 1)
+                    if (blocks := g.policy.index_blocks(deployment)) is not None:
+                        self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
+                        self.metrics.prefix_index_precise.labels(g.name, deployment.name).set(
+                            g.policy.index_precise(deployment))
+                    deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
+                    if failed is not None:
+                        self.metrics.retries.labels(*failed, last_error.kind).inc()
+                    attempt += 1
+                    tried.append(deployment)
+                    started = False
+                    answer: list[str] = []  # the first choice's text, for the routing policy once it is done
+                    try:
+                        async with contextlib.aclosing(self._attempt(g, deployment, request, used)) as chunks:
+                            async for chunk in chunks:
+                                started = True
+                                if chunk.index == 0 and chunk.text:
+                                    answer.append(chunk.text)
+                                yield chunk
+                        if g.policy.needs_tokens:
+                            await g.finished(choice, "".join(answer))
+                        return
+                    except BackendError as exc:
+                        if started or exc.kind not in RETRYABLE:
+                            raise
+                        last_error, failed = exc, (g.name, deployment.name)
+                        log.info("request %s: %s failed before its first token (%s)",
+                                 request.request_id, deployment.name, exc.kind)
+            raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
         finally:
-            if caller.window is not None and caller.limits.tokens_per_minute is not None:
-                # a task of its own: a request ended by its client's hang-up is being cancelled, and an await here
-                # would be cancelled too (anyio cancels every await of a cancelled scope), leaving it charged its
-                # reservation instead of what it used
-                settle = asyncio.create_task(self.rate_limiter.settle(
-                    caller.name, caller.limits, caller.window, estimated_tokens(request), sum(used)))
-                self._settling.add(settle)
-                settle.add_done_callback(self._settling.discard)
+            self._settle(caller, request, used)
 
-    async def _attempts(self, group: ModelGroup, request: GenerationRequest, caller: Caller,
-                        conversation: Conversation | None, used: list[int]) -> AsyncIterator[GenerationChunk]:
-        """``generate``'s tries: deployments, retries and fallbacks; each attempt adds the tokens it used to
-        ``used``."""
-        attempt, last_error, failed = 0, None, None
-        for g in [group, *(self.groups[name] for name in group.fallbacks)]:
-            if g is not group:
-                self.metrics.fallbacks.labels(group.name, g.name).inc()
-                log.warning("model %s: falling back to %s after %s", group.name, g.name, last_error)
-            tried: list[Deployment] = []
-            for _ in range(self.resilience.retries + 1):
-                if attempt:
-                    await asyncio.sleep(random.uniform(0, min(self.resilience.retry_backoff_max_s,
-                                                              self.resilience.retry_backoff_s * 2 ** (attempt - 1))))
-                choice = await _choose(g, request, tried, conversation if g is group else None)
-                if choice is None:
-                    last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
-                    break
-                deployment = choice.deployment
-                if conversation is not None:
-                    conversation.served_by = deployment.name
-                self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
-                if self.tracing is not None:
-                    self.tracing.route(g.name, g.routing, choice, attempt + 1)
-                if (blocks := g.policy.index_blocks(deployment)) is not None:
-                    self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
-                    self.metrics.prefix_index_precise.labels(g.name, deployment.name).set(
-                        g.policy.index_precise(deployment))
-                deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
-                if failed is not None:
-                    self.metrics.retries.labels(*failed, last_error.kind).inc()
-                attempt += 1
-                tried.append(deployment)
-                started = False
-                answer: list[str] = []  # the first choice's text, for the routing policy once it is done
-                try:
-                    async with contextlib.aclosing(self._attempt(g, deployment, request, used)) as chunks:
-                        async for chunk in chunks:
-                            started = True
-                            if chunk.index == 0 and chunk.text:
-                                answer.append(chunk.text)
-                            yield chunk
-                    if g.policy.needs_tokens:
-                        await g.finished(choice, "".join(answer))
-                    return
-                except BackendError as exc:
-                    if started or exc.kind not in RETRYABLE:
-                        raise
-                    last_error, failed = exc, (g.name, deployment.name)
-                    log.info("request %s: %s failed before its first token (%s)",
-                             request.request_id, deployment.name, exc.kind)
-        raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
+    def _settle(self, caller: Caller, request: GenerationRequest, used: list[int]) -> None:
+        """Charge ``caller``'s token budget what ``request``'s attempts ``used``, against its reservation: in a task of
+        its own, since a request ended by its client's hang-up is being cancelled, and an await here would be
+        cancelled too (anyio cancels every await of a cancelled scope), leaving it charged its reservation."""
+        if caller.window is None or caller.limits.tokens_per_minute is None:
+            return
+        settle = asyncio.create_task(self.rate_limiter.settle(caller.name, caller.limits, caller.window,
+                                                              estimated_tokens(request), sum(used)))
+        self._settling.add(settle)
+        settle.add_done_callback(self._settling.discard)
 
     async def _attempt(self, group: ModelGroup, deployment: Deployment, request: GenerationRequest,
                        used: list[int]) -> AsyncIterator[GenerationChunk]:
