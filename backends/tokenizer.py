@@ -4,12 +4,19 @@ servers that only take text."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
 from backends.base import InvalidRequestError
+from backends.cache import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
@@ -19,8 +26,34 @@ def _load_hf_tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
     if model_path.is_file():  # GGUF: transformers rebuilds the fast tokenizer from the metadata
-        return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name, local_files_only=True)
+        return _gguf_tokenizer(model_path)
     return AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+
+
+def _gguf_tokenizer(model_path: Path):
+    """A GGUF's tokenizer as transformers rebuilds it from the metadata (about 10 s for SmolLM2's on a 2-core
+    machine), saved once in the cache and read from there afterwards (a fraction of a second): every later start
+    of a server or a replica is that much faster. Keyed by the file (path, size, modification time) and the
+    transformers version that rebuilt it; without a writable cache it is rebuilt each time."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    stat = model_path.stat()
+    key = hashlib.sha256(f"{model_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+                         .encode()).hexdigest()[:24]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name, local_files_only=True)
+    try:  # written beside, then renamed: a reader never sees half a tokenizer
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as scratch:
+            tokenizer.save_pretrained(scratch)
+            os.replace(scratch, cached)
+            os.mkdir(scratch)  # for TemporaryDirectory's own clean-up
+    except OSError as exc:  # no writable cache (or another process won the race): nothing lost
+        log.debug("tokenizer of %s not cached: %s", model_path.name, exc)
+    return tokenizer
 
 
 class Tokenizer:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import typer
 
+from backends.cache import cache_dir
 from backends.native.config import cpu_flags as _cpu_flags  # a module name tests replace
 
 log = logging.getLogger(__name__)
@@ -75,13 +76,6 @@ SIGNATURES = {  # every exported function returns int (0, or nonzero for a layou
 def kv_format(cache: torch.Tensor) -> int:
     """The kernels' ``kv_format`` of a KV cache tensor: 0 where it is stored as the activations, else its fp8 format."""
     return FP8_KV_FORMATS.get(cache.dtype, 0)
-
-
-def cache_dir() -> Path:
-    """Where built kernels live: $BURSTGATE_CACHE_DIR, else ~/.cache/burstgate (XDG)."""
-    if env := os.environ.get("BURSTGATE_CACHE_DIR"):
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "burstgate"
 
 
 def _compiler() -> str | None:
