@@ -31,8 +31,8 @@ def serve_app(app, timeout: float = 120.0, host: str = "127.0.0.1", port: int | 
     """Run an ASGI app under uvicorn (``options`` for its ``Config``) on ``host`` (any loopback address) at
     ``port`` (default: a free one); yields its base URL."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5, **options))
+    options = {"log_level": "warning", "timeout_graceful_shutdown": 5, **options}
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
