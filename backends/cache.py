@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
+    """The cache folder (not created here)."""
     if env := os.environ.get("BURSTGATE_CACHE_DIR"):
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "burstgate"

@@ -56,6 +56,9 @@ class RemoteConfig(BaseModel):
     ca_bundle: FilePath | None = None
     client_cert: FilePath | None = None
     client_key: FilePath | None = None  # when the key is not in client_cert's file
+    # the name the server's certificate must carry, where the URL names an address instead (a discovered replica:
+    # its pod's IP, its certificate the Service's name); default: the URL's host
+    tls_server_name: str | None = None
 
     @model_validator(mode="after")
     def _key_from_environment(self) -> RemoteConfig:
@@ -73,6 +76,10 @@ class RemoteConfig(BaseModel):
             raise ValueError("client_key needs client_cert")
         self.ssl_context()  # a certificate or key that does not load is a config error, not a first-request one
         return self
+
+    def tls_verify(self) -> ssl.SSLContext | bool:
+        """What a client checks the server with: these TLS settings, else True (the defaults)."""
+        return self.ssl_context() or True
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The TLS settings for this upstream: None for the defaults (the system's CAs, no client certificate)."""
@@ -124,7 +131,8 @@ class HTTPClient:
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
                                               sock_read=cfg.read_timeout_s)
-        self._ssl = cfg.ssl_context() or True  # True: aiohttp's default checks
+        self._ssl = cfg.tls_verify()
+        self._tls_name = {"server_hostname": cfg.tls_server_name} if cfg.tls_server_name else {}
         self._session: aiohttp.ClientSession | None = None
 
     def _url(self, path: str) -> str:
@@ -141,14 +149,15 @@ class HTTPClient:
         """The whole answer; transport failures raised as our errors."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         async with transport_errors(self.name), self._client().request(
-                method, self._url(path), json=json, timeout=timeout, headers=_request_id_header()) as r:
+                method, self._url(path), json=json, timeout=timeout, headers=_request_id_header(),
+                **self._tls_name) as r:
             return Reply(r.status, await r.read(), r.headers)
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, path: str, json: Any = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """The response with its body unread (``lines`` reads it); wrap the reading in ``transport_errors``."""
         async with transport_errors(self.name), self._client().request(
-                method, self._url(path), json=json, headers=_request_id_header()) as r:
+                method, self._url(path), json=json, headers=_request_id_header(), **self._tls_name) as r:
             yield r
 
     async def ok(self, path: str, timeout_s: float = 5.0) -> bool:

@@ -123,6 +123,7 @@ async def follow(endpoint: str, topic: str, on_events: Callable[[list[KVCacheEve
 
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.IPV6, 1)  # tcp://[fd00::5]:5557 too (IPv4 addresses work as before)
     socket.setsockopt_string(zmq.SUBSCRIBE, topic)
     socket.connect(endpoint)
     expected = None

@@ -43,7 +43,10 @@ def _gguf_tokenizer(model_path: Path):
                          .encode()).hexdigest()[:24]
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except Exception as exc:  # written by a tokenizers release that this one cannot read: rebuilt below
+            log.warning("cached tokenizer %s unreadable (%s): rebuilding it from %s", cached, exc, model_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name, local_files_only=True)
     try:  # written beside, then renamed: a reader never sees half a tokenizer
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -214,6 +214,8 @@ def serve(
     if (ssl_ca_certs is not None or ssl_cert_reqs) and ssl_certfile is None:
         raise typer.BadParameter("client certificates need HTTPS (--ssl-keyfile, --ssl-certfile)",
                                  param_hint="--ssl-ca-certs / --ssl-cert-reqs")
+    if ssl_cert_reqs and ssl_ca_certs is None:
+        raise typer.BadParameter("checking client certificates needs the CAs that sign them", param_hint="--ssl-ca-certs")
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
                       "quantization": quantization.value if quantization else None,

@@ -182,6 +182,13 @@ class Server(_Strict):
     drain_grace_s: float = Field(0.0, ge=0)
     drain_timeout_s: float = Field(120.0, gt=0)
 
+    @model_validator(mode="after")
+    def _grace_within_the_deadline(self) -> Server:
+        if self.drain_grace_s >= self.drain_timeout_s:
+            raise ValueError("drain_grace_s must be shorter than drain_timeout_s (requests taken in the grace window "
+                             "need time to finish)")
+        return self
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BURSTGATE_", env_nested_delimiter="__", extra="forbid",

@@ -35,7 +35,10 @@ class HealthChecker:
     async def check_once(self) -> None:
         deployments = self.deployments
         results = await asyncio.gather(*(self.check(d) for d in deployments))
+        present = {id(d) for d in self.deployments}  # a replica that left while it was checked is not reported
         for d, ok in zip(deployments, results):
+            if id(d) not in present:
+                continue
             if ok != d.healthy:
                 log.warning("backend %s is now %s", d.name, "healthy" if ok else "UNHEALTHY")
                 if not ok:

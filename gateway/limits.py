@@ -63,11 +63,14 @@ class RateLimiter:
         return self._local_incr(f"{key}:{window}", amount)
 
     def _local_incr(self, window_key: str, amount: int) -> int:
+        return self._remember(window_key, self._counts.get(window_key, 0) + amount)
+
+    def _remember(self, window_key: str, count: int) -> int:
         if len(self._counts) > 10_000:  # forget windows that have passed
             current = self.window()
             self._counts = {k: v for k, v in self._counts.items() if int(k.rsplit(":", 1)[1]) >= current - 1}
-        self._counts[window_key] = self._counts.get(window_key, 0) + amount
-        return self._counts[window_key]
+        self._counts[window_key] = count
+        return count
 
     async def close(self) -> None:
         pass
@@ -82,27 +85,32 @@ class RateLimiter:
         if budget is not None:
             if reserved > budget:
                 raise rate_limited(f"Request too large for key '{key_name}': it may use {reserved} tokens, more than "
-                                   f"its limit of {budget} per window. Lower max_tokens.", self._to_next_window())
+                                   f"its limit of {budget} {self._per()}. Lower max_tokens.", self._to_next_window())
             spent = await self._incr(f"tok:{key_name}", reserved, window)
             if spent > budget if reserved else spent >= budget:
                 if reserved:
                     await self._incr(f"tok:{key_name}", -reserved, window)  # given back: it did not fit
-                raise rate_limited(f"Token limit of {budget}/min reached for key '{key_name}'.",
+                raise rate_limited(f"Token limit of {budget} {self._per()} reached for key '{key_name}'.",
                                    self._to_next_window())
         if limits.requests_per_minute is not None:
             count = await self._incr(f"req:{key_name}", 1, window)
             if count > limits.requests_per_minute:
                 if reserved:
                     await self._incr(f"tok:{key_name}", -reserved, window)
-                raise rate_limited(f"Request limit of {limits.requests_per_minute}/min reached for key "
+                raise rate_limited(f"Request limit of {limits.requests_per_minute} {self._per()} reached for key "
                                    f"'{key_name}'.", self._to_next_window())
         return window
 
     async def settle(self, key_name: str, limits: KeyLimits, window: int, reserved: int, used: int) -> None:
-        """A request admitted in ``window`` with ``reserved`` tokens ended having used ``used``: its window is
-        charged the difference (given back when it used less)."""
-        if limits.tokens_per_minute is not None and used != reserved:
-            await self._incr(f"tok:{key_name}", used - reserved, window)
+        """A request admitted in ``window`` with ``reserved`` tokens ended having used ``used``: what it did not use
+        goes back to that window; what it used beyond its reservation (no max_tokens, a prompt longer than
+        estimated) is charged to the window now, where the budget still counts."""
+        if limits.tokens_per_minute is None or used == reserved:
+            return
+        await self._incr(f"tok:{key_name}", used - reserved, window if used < reserved else self.window())
+
+    def _per(self) -> str:
+        return "per minute" if self.window_s == 60 else f"per {self.window_s:g} s"
 
     def _to_next_window(self) -> float:
         return self.window_s - time.time() % self.window_s
@@ -139,8 +147,7 @@ class RedisRateLimiter(RateLimiter):
         if self.redis_down:
             log.warning("Redis is back: rate limits shared across replicas again")
             self.redis_down = False
-        self._counts[window_key] = int(count)  # where this replica goes on from, should Redis go
-        return int(count)
+        return self._remember(window_key, int(count))  # where this replica goes on from, should Redis go
 
     async def close(self) -> None:
         await self._redis.aclose()

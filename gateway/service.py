@@ -104,14 +104,15 @@ class Gateway:
         for backend in self.backends:
             log.info("starting backend %s", backend.name)
             await backend.start()
+        # the policies' jobs for the deployments listed; a discovered replica gets its own when it joins
+        jobs = [(g, job) for g in self.groups.values() for job in g.policy.background()]
         for membership in self.memberships:  # the replicas there are now, before readiness is first told
             await membership.refresh()
         await self.health.check_once()
         self.health.start()
         for group in self.groups.values():
             await group.prepare()
-        self._background = [asyncio.create_task(job(), name=f"routing {g.name}")
-                            for g in self.groups.values() for job in g.policy.background()]
+        self._background = [asyncio.create_task(job(), name=f"routing {g.name}") for g, job in jobs]
         self._background += [asyncio.create_task(m.run(), name=f"discovery {m.name}") for m in self.memberships]
         for group in self.groups.values():
             for d in group.deployments:
@@ -156,8 +157,10 @@ class Gateway:
             while d.outstanding:
                 await asyncio.sleep(0.1)
         finally:
+            self.groups[model].policy.forget(d)  # what its last requests recorded in the routing index
             await d.backend.close()
-            self.metrics.forget_deployment(model, d.name)
+            if not any(other.name == d.name for other in self.groups[model].deployments):  # not back meanwhile
+                self.metrics.forget_deployment(model, d.name)
 
     def _export_health(self, d: Deployment) -> None:
         self.metrics.backend_healthy.labels(d.name).set(1 if d.healthy else 0)

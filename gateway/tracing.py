@@ -64,6 +64,7 @@ class Tracing:
 
     @classmethod
     def from_config(cls, config: TracingConfig) -> Tracing | None:
+        """The tracing ``config`` asks for; None (no tracing, nothing of OpenTelemetry loaded) without an endpoint."""
         return cls(config) if config.otlp_traces_endpoint else None
 
     def close(self) -> None:
@@ -95,6 +96,7 @@ class Tracing:
         return carrier.get("traceparent")
 
     def failed(self, span: Span, kind: str, message: str) -> None:
+        """Mark ``span`` as failed with the error's kind (``burstgate.error``) and message."""
         span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, message))
         span.set_attribute("burstgate.error", kind)
 

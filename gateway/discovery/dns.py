@@ -1,9 +1,10 @@
-"""Replicas from DNS: every A and AAAA record of a name, as a Kubernetes headless Service publishes one per ready
-pod (``clusterIP: None``). Resolved with dnspython: the system's resolver configuration (search domains
-included), or the name servers given."""
+"""Replicas from DNS: every A (or, with ``address_type: IPv6``, AAAA) record of a name, as a Kubernetes headless
+Service publishes one per ready pod (``clusterIP: None``). Resolved with dnspython: the system's resolver
+configuration (search domains included), or the name servers given."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 import dns.asyncresolver
@@ -27,16 +28,13 @@ class DNSDiscovery(DiscoverySource):
     async def addresses(self, default_port: int) -> set[Address]:
         resolver = self._resolver()
         port = self.port or default_port
-        found: set[Address] = set()
-        for rdtype in ("A", "AAAA"):
-            try:
-                answer = await resolver.resolve(self.name, rdtype, search=True)
-            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):  # no replica (of this family): an answer
-                continue
-            except dns.exception.DNSException as exc:
-                raise DiscoveryError(f"DNS lookup of {self.name} failed: {exc}") from exc
-            found |= {Address(record.address, port) for record in answer}
-        return found
+        try:
+            answer = await resolver.resolve(self.name, "A" if self.address_type == "IPv4" else "AAAA", search=True)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):  # no replica: an answer, unlike a failed lookup
+            return set()
+        except dns.exception.DNSException as exc:
+            raise DiscoveryError(f"DNS lookup of {self.name} failed: {exc}") from exc
+        return {Address(record.address, port) for record in answer}
 
     def _resolver(self) -> dns.asyncresolver.Resolver:
         try:
@@ -50,7 +48,9 @@ class DNSDiscovery(DiscoverySource):
 
 
 def _nameserver(text: str) -> dns.nameserver.Nameserver:
-    host, sep, port = text.rpartition(":")
-    if not sep or "]" in port or (host.count(":") > 1 and not host.startswith("[")):  # no port, or a bare IPv6 address
-        return dns.nameserver.Do53Nameserver(text.strip("[]"), 53)
-    return dns.nameserver.Do53Nameserver(host.strip("[]"), int(port))
+    """``ADDRESS``, ``IPv4:PORT`` or ``[IPv6]:PORT``."""
+    try:
+        return dns.nameserver.Do53Nameserver(str(ipaddress.ip_address(text.strip("[]"))), 53)
+    except ValueError:  # an address with a port
+        host, _, port = text.rpartition(":")
+        return dns.nameserver.Do53Nameserver(str(ipaddress.ip_address(host.strip("[]"))), int(port))

@@ -1,7 +1,8 @@
 """Replicas from the Kubernetes API: the ready endpoints of the EndpointSlices (``discovery.k8s.io/v1``) that a
 label selector picks, e.g. ``kubernetes.io/service-name=vllm`` for a Service's, in one namespace. Read with the
 pod's service account (its token is read again at each lookup: Kubernetes rotates it), which needs ``list`` on
-``endpointslices`` (the Helm chart's Role grants it). An endpoint whose ``ready`` condition is false (a pod
+``endpointslices`` (the Helm chart's Role grants it). Only slices of ``address_type`` count (a dual-stack
+Service has one of each family, for the same pods). An endpoint whose ``ready`` condition is false (a pod
 starting, or terminating) is left out; an absent condition counts as ready, as the API documents."""
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class KubernetesDiscovery(DiscoverySource):
             slices = reply.json()["items"]
         except (ValueError, KeyError) as exc:
             raise DiscoveryError(f"the Kubernetes API's answer is no EndpointSliceList: {reply.text[:300]}") from exc
-        return {address for item in slices or () for address in self._ready(item, default_port)}
+        return {address for item in slices or () if item.get("addressType") == self.address_type
+                for address in self._ready(item, default_port)}
 
     def _ready(self, item: dict, default_port: int) -> list[Address]:
         port = self._port(item.get("ports") or [], default_port)

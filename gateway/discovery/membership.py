@@ -60,6 +60,8 @@ class Membership:
         netloc = f"{url.netloc.rpartition('@')[0]}@" if "@" in url.netloc else ""
         update = {"url": urlunsplit(url._replace(netloc=f"{netloc}{host}:{address.port}")), "discover": None,
                   "name": f"{self.name}@{host}:{address.port}"}
+        if url.scheme == "https" and self.template.tls_server_name is None:
+            update["tls_server_name"] = url.hostname  # the certificate names the Service, not the pod's address
         if self.template.kv_events:
             update["kv_events"] = self.template.kv_events.replace("{host}", host)
         return self.template.model_copy(update=update)

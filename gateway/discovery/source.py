@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,8 @@ class DiscoverySource(BaseModel, abc.ABC):
 
     interval_s: float = Field(10.0, gt=0)  # how often the replicas are looked up again
     port: int | None = Field(None, ge=1, le=65535)  # default: the source's own, else the template url's
+    # the addresses taken (EndpointSlice's words): a dual-stack pod has one of each, and is one replica
+    address_type: Literal["IPv4", "IPv6"] = "IPv4"
 
     @abc.abstractmethod
     async def addresses(self, default_port: int) -> set[Address]:

@@ -56,8 +56,14 @@ def metrics_url(deployment: Deployment) -> str | None:
 
 def _tls(deployment: Deployment) -> ssl.SSLContext | bool:
     """The deployment's own TLS settings for its server (a private CA, a client certificate), else the defaults."""
-    context = getattr(deployment.config, "ssl_context", None)
-    return (context() if context else None) or True
+    verify = getattr(deployment.config, "tls_verify", None)
+    return verify() if verify else True
+
+
+def _tls_name(deployment: Deployment) -> dict:
+    """The name its server's certificate carries, where its URL names an address (a discovered replica)."""
+    name = getattr(deployment.config, "tls_server_name", None)
+    return {"extensions": {"sni_hostname": name}} if name else {}
 
 
 class LoadReader:
@@ -100,6 +106,6 @@ class LoadReader:
 
     async def _read(self, http: httpx.AsyncClient, deployment: Deployment, url: str) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError):  # unreachable or not Prometheus: stale, then None
-            load = parse_metrics((await http.get(url)).text)
+            load = parse_metrics((await http.get(url, **_tls_name(deployment))).text)
             if load is not None:
                 self.loads[deployment.name] = load

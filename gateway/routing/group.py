@@ -74,8 +74,8 @@ class ModelGroup:
         """The request of ``choice`` was answered with ``answer`` (its first choice's text): the policy hears of
         the tokens its deployment holds now, the prompt's and the answer's (counted as the prompt was)."""
         routed = choice.routed
-        if routed is None or routed.tokens is None or not answer:
-            return
+        if routed is None or routed.tokens is None or not answer or choice.deployment not in self.deployments:
+            return  # (a replica that left meanwhile holds nothing for the index any more)
         if routed.tokens_source == "tokenizer" and self._tokenizer is not None:
             more = self._tokenizer.encode(answer, add_special_tokens=False)
         elif routed.tokens_source in ("engine", "server"):

@@ -141,3 +141,19 @@ def test_full_backend_queue_answers_429(start_gateway, engine_idle):
     codes = sorted(r.status_code for r in responses)
     assert codes.count(200) == 4 and codes.count(429) == 4
     assert all("Retry-After" in r.headers for r in responses if r.status_code == 429)
+
+
+def test_tokens_used_beyond_a_reservation_are_charged_to_the_window_they_are_used_in():
+    """A request without max_tokens reserves only its prompt; what it generates is charged when it ends, to the
+    window then (its admission's may have passed: charged there, no budget would ever see it)."""
+    from gateway.limits import KeyLimits, RateLimiter
+
+    async def scenario():
+        limiter, limits = RateLimiter(window_s=0.5), KeyLimits(tokens_per_minute=1000)
+        admitted_in = await limiter.admit("k", limits, reserve_tokens=10)
+        while limiter.window() == admitted_in:
+            await asyncio.sleep(0.05)
+        await limiter.settle("k", limits, admitted_in, reserved=10, used=300)
+        return limiter._counts[f"tok:k:{admitted_in}"], limiter._counts[f"tok:k:{limiter.window()}"]
+
+    assert asyncio.run(scenario()) == (10, 290)

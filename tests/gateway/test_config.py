@@ -197,3 +197,8 @@ def test_resilience_settings_are_read_under_their_earlier_name_router_too():
     assert Settings(router={"retries": 7}).resilience.retries == 7
     assert Settings(resilience={"retries": 4}).resilience.retries == 4
     assert Settings().resilience.retries == 2
+
+
+def test_a_drain_grace_window_longer_than_its_deadline_is_refused():
+    with pytest.raises(ValueError, match="drain_grace_s must be shorter than drain_timeout_s"):
+        Settings(server={"drain_grace_s": 30, "drain_timeout_s": 10})

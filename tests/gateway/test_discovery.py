@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from gateway.app import create_app
 from gateway.config import ModelRoute, OpenAIDeployment, Resilience, Settings
+from gateway.discovery import Address
 from gateway.service import Gateway
 from loadtest.mock_server import create_mock_app
 from tests.servers import free_port, serve_app
@@ -177,18 +178,19 @@ def test_replicas_survive_their_dns_server_going_away(replicas):
 
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
-def endpoint_slice(name: str, port: int, endpoints: list[dict]) -> dict:
+def endpoint_slice(name: str, port: int, endpoints: list[dict], address_type: str = "IPv4") -> dict:
     """An EndpointSlice as the Kubernetes docs show one (concepts/services-networking/endpoint-slices)."""
     return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": name, "namespace": "serving", "labels": {"kubernetes.io/service-name": "vllm"}},
-            "addressType": "IPv4", "ports": [{"name": "metrics", "protocol": "TCP", "port": 9090},
+            "addressType": address_type, "ports": [{"name": "metrics", "protocol": "TCP", "port": 9090},
                                              {"name": "http", "protocol": "TCP", "port": port}],
             "endpoints": endpoints}
 
 
 def endpoint(address: str, **conditions) -> dict:
+    pod = f"vllm-{address.replace(':', '-').rsplit('.', 1)[-1]}"
     out = {"addresses": [address], "nodeName": "node-1", "zone": "us-west2-a",
-           "targetRef": {"kind": "Pod", "namespace": "serving", "name": f"vllm-{address.rsplit('.', 1)[1]}"}}
+           "targetRef": {"kind": "Pod", "namespace": "serving", "name": pod}}
     if conditions:
         out["conditions"] = conditions
     return out
@@ -229,7 +231,9 @@ def test_replicas_are_the_ready_endpoints_of_the_endpointslices_a_selector_picks
     api.slices = [endpoint_slice("vllm-abc", replicas, [endpoint(HOSTS[0], ready=True, serving=True),
                                                         endpoint(HOSTS[2], ready=False, serving=True,
                                                                  terminating=True)]),
-                  endpoint_slice("vllm-def", replicas, [endpoint(HOSTS[1])])]
+                  endpoint_slice("vllm-def", replicas, [endpoint(HOSTS[1])]),
+                  # the same pods' other family (a dual-stack Service): not replicas of their own
+                  endpoint_slice("vllm-v6", replicas, [endpoint("fd00::2"), endpoint("fd00::3")], "IPv6")]
     with serve_app(api.app()) as api_url:
         discover = {"source": "kubernetes", "selector": "kubernetes.io/service-name=vllm", "namespace": "serving",
                     "port_name": "http", "api_server": api_url, "token_file": str(token)}
@@ -252,6 +256,14 @@ def test_without_the_service_account_token_the_api_refuses_and_nothing_is_discov
         discover = {"source": "kubernetes", "selector": "app=vllm", "namespace": "serving", "api_server": api_url}
         with serve_app(create_app(gateway_of(discover, replicas))) as url:
             assert members(url) == set() and httpx.get(f"{url}/ready").status_code == 503
+
+
+def test_a_discovered_https_replica_checks_the_certificate_against_the_templates_host():
+    template = OpenAIDeployment(kind="openai", name="vllm", url="https://vllm.serving.svc:8443/v1",
+                                discover={"source": "dns", "name": "vllm-headless"})
+    gateway = Gateway.from_settings(Settings(models=[ModelRoute(name="m", deployments=[template])]))
+    replica = gateway.memberships[0].replica(Address("fd00::5", 8443))
+    assert replica.url == "https://[fd00::5]:8443/v1" and replica.tls_server_name == "vllm.serving.svc"
 
 
 def test_discover_is_refused_on_a_deployment_without_a_url():

@@ -49,6 +49,21 @@ def completed(events: list[dict | str], max_tokens: int) -> bool:
             and sum(1 for c in chunks if c["choices"][0]["text"]) >= max_tokens - 1)
 
 
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def in_flight(url: str) -> float:
+    """Requests the gateway is serving now (its gauge, every deployment)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+               if line.startswith("burstgate:requests_in_flight{"))
+
+
 def refused(url: str) -> bool:
     try:
         httpx.get(f"{url}/health", timeout=2)
@@ -58,15 +73,15 @@ def refused(url: str) -> bool:
 
 
 def test_sigterm_fails_readiness_at_once_serves_the_grace_window_then_refuses_and_finishes_every_stream():
-    with burstgate_serve(*SIMULATED, env=drain_env(grace_s=3, timeout_s=120)) as served:
+    with burstgate_serve(*SIMULATED, env=drain_env(grace_s=5, timeout_s=120)) as served:
         url = served.url
         started = [threading.Event() for _ in range(3)]
         with ThreadPoolExecutor(3) as pool:
-            streams = [pool.submit(stream, url, 80, s) for s in started]
+            streams = [pool.submit(stream, url, 200, s) for s in started]  # ~9 s each: past the grace window
             assert all(s.wait(60) for s in started)
             served.proc.send_signal(signal.SIGTERM)
-            ready = httpx.get(f"{url}/ready", timeout=10)
-            assert ready.status_code == 503 and ready.json()["draining"] is True
+            assert wait_until(lambda: httpx.get(f"{url}/ready", timeout=10).json()["draining"])  # the signal's turn
+            assert httpx.get(f"{url}/ready", timeout=10).status_code == 503
             late = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                               timeout=60)  # inside the grace window: still served
             assert late.status_code == 200 and late.json()["usage"]["completion_tokens"] == 2
@@ -74,7 +89,7 @@ def test_sigterm_fails_readiness_at_once_serves_the_grace_window_then_refuses_an
             while not refused(url):  # after it: the listener is closed
                 assert time.monotonic() < deadline, "still accepting connections after the grace window"
                 time.sleep(0.2)
-            assert all(completed(s.result(), 80) for s in streams)  # the streams in flight were not cut
+            assert all(completed(s.result(), 200) for s in streams)  # the streams in flight were not cut
         assert served.proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
 
@@ -87,6 +102,7 @@ def test_requests_still_running_at_the_drain_deadline_end_with_a_clean_error_not
             folded = pool.submit(httpx.post, f"{url}/v1/completions", timeout=120, json={
                 "model": MODEL, "prompt": "Hi", "max_tokens": 2000, "ignore_eos": True})
             assert started.wait(60)
+            assert wait_until(lambda: in_flight(url) == 2)  # the folded one too, before the signal
             served.proc.send_signal(signal.SIGTERM)
             events, answer = streamed.result(), folded.result()
         assert events[-1] == "[DONE]"
@@ -96,7 +112,7 @@ def test_requests_still_running_at_the_drain_deadline_end_with_a_clean_error_not
 
 
 def test_a_second_sigterm_skips_the_rest_of_the_grace_window():
-    with burstgate_serve(*SIMULATED, env=drain_env(grace_s=600, timeout_s=600)) as served:
+    with burstgate_serve(*SIMULATED, env=drain_env(grace_s=600, timeout_s=900)) as served:
         served.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         assert httpx.get(f"{served.url}/ready", timeout=10).status_code == 503

@@ -27,9 +27,11 @@ def pki(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("pki")
     ca, stranger = trustme.CA(), trustme.CA()
     server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("gateway.burstgate.test")
+    named = ca.issue_cert("vllm.serving.svc")  # a Service's name only, as a discovered replica's certificate
     files = {"ca": ca.cert_pem, "stranger_ca": stranger.cert_pem, "server_key": server.private_key_pem,
              "server_cert": server.cert_chain_pems[0], "client_key": client.private_key_pem,
-             "client_cert": client.cert_chain_pems[0]}
+             "client_cert": client.cert_chain_pems[0], "named_key": named.private_key_pem,
+             "named_cert": named.cert_chain_pems[0]}
     for name, blob in files.items():
         blob.write_to_path(str(folder / f"{name}.pem"))
     return {name: folder / f"{name}.pem" for name in files}
@@ -92,6 +94,15 @@ def test_an_upstream_whose_tls_check_fails_is_unavailable_not_a_server_error(pki
     with serve_app(create_app(gateway_to(upstream, **tls))) as url:
         reply = complete(url)
         assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable", reply.text
+
+
+def test_an_upstream_reached_at_an_address_is_checked_against_the_name_its_certificate_carries(pki):
+    with serve_app(create_mock_app(), ssl_keyfile=str(pki["named_key"]), ssl_certfile=str(pki["named_cert"])) as url:
+        upstream = url.replace("http://", "https://") + "/v1"
+        for server_name, status in ((None, 503), ("vllm.serving.svc", 200)):  # the address is not in the certificate
+            gateway = gateway_to(upstream, ca_bundle=pki["ca"], tls_server_name=server_name)
+            with serve_app(create_app(gateway)) as gateway_url:
+                assert complete(gateway_url).status_code == status
 
 
 @pytest.mark.parametrize("tls, words", [
