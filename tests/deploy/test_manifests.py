@@ -73,6 +73,21 @@ def test_every_url_in_the_gateway_config_names_a_service_and_its_port(objects):
     assert Gateway.from_settings(settings).groups
 
 
+def test_discovered_replicas_come_from_a_headless_service_or_the_endpointslices_of_one(objects):
+    """A DNS name discovered must be a headless Service's (a ClusterIP Service resolves to one address: one replica);
+    a Kubernetes selector must pick a Service's slices, with the port it names."""
+    specs = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "Service"}
+    for model in gateway_settings(objects).models:
+        for d in (d for d in model.deployments if d.discover is not None):
+            if d.discover.source == "dns":
+                service = d.discover.name.split(".")[0]
+                assert specs[service].get("clusterIP") == "None", service
+                assert urlsplit(d.url).port in {p["port"] for p in specs[service]["ports"]}
+            else:
+                service = d.discover.selector.removeprefix("kubernetes.io/service-name=")
+                assert d.discover.port_name in {p["name"] for p in specs[service]["ports"]}
+
+
 def test_the_hpa_alone_sets_the_scale_of_what_it_scales(objects):
     scaled = {o["spec"]["scaleTargetRef"]["name"] for o in objects if o["kind"] == "HorizontalPodAutoscaler"}
     for o in objects:
