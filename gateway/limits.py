@@ -87,7 +87,8 @@ class RateLimiter:
                 raise rate_limited(f"Request too large for key '{key_name}': it may use {reserved} tokens, more than "
                                    f"its limit of {budget} {self._per()}. Lower max_tokens.", self._to_next_window())
             spent = await self._incr(f"tok:{key_name}", reserved, window)
-            if spent > budget if reserved else spent >= budget:
+            over = spent > budget if reserved else spent >= budget  # (nothing reserved: refused once it is spent)
+            if over:
                 if reserved:
                     await self._incr(f"tok:{key_name}", -reserved, window)  # given back: it did not fit
                 raise rate_limited(f"Token limit of {budget} {self._per()} reached for key '{key_name}'.",

@@ -233,16 +233,7 @@ class Gateway:
                         last_error = last_error or UnavailableError(f"no healthy backend for model '{g.name}'")
                         break
                     deployment = choice.deployment
-                    if conversation is not None:
-                        conversation.served_by = deployment.name
-                    self.metrics.routing_decisions.labels(g.name, deployment.name, choice.reason).inc()
-                    if self.tracing is not None:
-                        self.tracing.route(g.name, g.routing, choice, attempt + 1)
-                    if (blocks := g.policy.index_blocks(deployment)) is not None:
-                        self.metrics.prefix_index_blocks.labels(g.name, deployment.name).set(blocks)
-                        self.metrics.prefix_index_precise.labels(g.name, deployment.name).set(
-                            g.policy.index_precise(deployment))
-                    deployment.breaker.dispatch()  # right after choosing: only one half-open probe goes out
+                    self._dispatched(g, choice, conversation, attempt + 1)
                     if failed is not None:
                         self.metrics.retries.labels(*failed, last_error.kind).inc()
                     attempt += 1
@@ -268,6 +259,20 @@ class Gateway:
             raise last_error or UnavailableError(f"no healthy backend for model '{group.name}'")
         finally:
             self._settle(caller, request, used)
+
+    def _dispatched(self, group: ModelGroup, choice: Choice, conversation: Conversation | None, attempt: int) -> None:
+        """Attempt ``attempt`` goes where ``choice`` says: the conversation, metrics and trace hear of it, and the
+        deployment's breaker counts it (right after choosing: only one half-open probe goes out)."""
+        d = choice.deployment
+        if conversation is not None:
+            conversation.served_by = d.name
+        self.metrics.routing_decisions.labels(group.name, d.name, choice.reason).inc()
+        if self.tracing is not None:
+            self.tracing.route(group.name, group.routing, choice, attempt)
+        if (blocks := group.policy.index_blocks(d)) is not None:
+            self.metrics.prefix_index_blocks.labels(group.name, d.name).set(blocks)
+            self.metrics.prefix_index_precise.labels(group.name, d.name).set(group.policy.index_precise(d))
+        d.breaker.dispatch()
 
     def _settle(self, caller: Caller, request: GenerationRequest, used: list[int]) -> None:
         """Charge ``caller``'s token budget what ``request``'s attempts ``used``, against its reservation: in a task of

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from gateway.config import DEFAULT_MODEL_NAME
 from tests.conftest import MODEL
 from tests.gateway import soak
-from tests.servers import free_port, wait_for_port
+from tests.servers import burstgate_serve
 
 SOAK_REQUESTS = int(os.environ.get("BURSTGATE_SOAK_REQUESTS", "0"))  # set by `make soak`
 
@@ -31,15 +29,8 @@ def test_a_short_soak_leaves_nothing_behind(start_gateway, engine_idle):
 
 @pytest.mark.skipif(not SOAK_REQUESTS, reason="the long soak runs with `make soak`")
 def test_soak_the_embedded_default():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level",
-                             "warning"])
-    try:
-        wait_for_port(port, timeout=300, proc=proc)
-        result = soak.run(f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, total=SOAK_REQUESTS)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with burstgate_serve() as served:
+        result = soak.run(served.url, DEFAULT_MODEL_NAME, total=SOAK_REQUESTS)
     result.update(command=f"make soak (BURSTGATE_SOAK_REQUESTS={SOAK_REQUESTS})", machine=platform.node(),
                   cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     out = Path(os.environ.get("BURSTGATE_SOAK_OUT", "benchmarks/results/soak.json"))
