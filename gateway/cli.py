@@ -216,6 +216,8 @@ def serve(
                                  param_hint="--ssl-ca-certs / --ssl-cert-reqs")
     if ssl_cert_reqs and ssl_ca_certs is None:
         raise typer.BadParameter("checking client certificates needs the CAs that sign them", param_hint="--ssl-ca-certs")
+    if ssl_certfile is not None:
+        _check_tls_files(ssl_certfile, ssl_keyfile, ssl_ca_certs)
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
                       "tensor_parallel_size": tensor_parallel_size,
                       "quantization": quantization.value if quantization else None,
@@ -245,6 +247,23 @@ def serve(
 
     uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level, **options)
 
+
+
+def _check_tls_files(certfile: Path, keyfile: Path, ca_certs: Path | None) -> None:
+    """Files that do not load fail here, named, not as a traceback when uvicorn starts."""
+    import ssl
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except ssl.SSLError as exc:
+        raise typer.BadParameter(f"the certificate and key do not load together: {exc}",
+                                 param_hint="--ssl-certfile / --ssl-keyfile") from None
+    try:
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except ssl.SSLError as exc:
+        raise typer.BadParameter(f"no CA certificates there: {exc}", param_hint="--ssl-ca-certs") from None
 
 
 GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)  # typer choices

@@ -118,3 +118,18 @@ def test_tls_files_that_do_not_load_are_refused_when_the_config_loads(pki, tls, 
 def test_a_tls_file_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(ValidationError, match="ca_bundle"):
         OpenAIDeployment(kind="openai", url="https://upstream/v1", ca_bundle=tmp_path / "missing.pem")
+
+
+@pytest.mark.parametrize("files, words", [
+    (("server_key", "ca"), "--ssl-certfile / --ssl-keyfile"),  # a CA's certificate with the server's key
+    (("server_key", "server_cert", "server_key"), "--ssl-ca-certs"),  # a key where CA certificates belong
+])
+def test_serve_names_tls_files_that_do_not_load_before_starting(pki, files, words):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    flags = ["--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"]
+    args = [x for flag, name in zip(flags, files) for x in (flag, str(pki[name]))]
+    result = CliRunner().invoke(app, ["serve", *args, "--ssl-cert-reqs", "2" if len(files) == 3 else "0"])
+    assert result.exit_code == 2 and words in result.output, result.output
