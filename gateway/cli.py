@@ -61,6 +61,7 @@ def _engine_choices(name: str, field: str) -> type[Enum]:
 Dtype = _engine_choices("Dtype", "dtype")
 Quantization = _engine_choices("Quantization", "quantization")
 KvCacheDtype = _engine_choices("KvCacheDtype", "kv_cache_dtype")
+ExecutorBackend = _engine_choices("ExecutorBackend", "distributed_executor_backend")
 
 
 class BackendKind(StrEnum):
@@ -74,7 +75,7 @@ def build_settings(config: Path | None, model: Path | None, name: str | None = N
     """The config file's settings; ``--model`` (a local path) or a non-native ``--backend`` replaces its
     models with that one model served in-process by that engine; ``name`` is the public name of the one model
     served; ``otlp_traces_endpoint`` turns tracing on. ``engine_options`` (``dtype``, ``device``,
-    ``tensor_parallel_size``, ``quantization``, ``kv_cache_dtype``, ``block_size``, ``simulate``: None when not
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``quantization``, ``kv_cache_dtype``, ``block_size``, ``simulate``: None when not
     given) apply to every in-process deployment, and are refused where none would use them."""
     settings = load_settings(config)
     if otlp_traces_endpoint is not None:
@@ -171,6 +172,13 @@ def serve(
                                                "present), cpu, cuda or cuda:N.")] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
                                                              "model across N processes (GPUs on CUDA).")] = None,
+    pipeline_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
+                                                               "layers into N stages, each on its own ranks "
+                                                               "(vLLM's flag; uneven stages: "
+                                                               "VLLM_PP_LAYER_PARTITION).")] = None,
+    distributed_executor_backend: Annotated[ExecutorBackend | None, typer.Option(
+        help="Where the native engine's other ranks run: mp, processes of this machine; ray, actors of the Ray "
+             "cluster at RAY_ADDRESS, across its nodes (vLLM's flag).")] = None,
     quantization: Annotated[Quantization | None, typer.Option(help="Native engine weights: int8 (weight-only, a "
                                                               "scale per output channel; CPU) for decode-bound "
                                                               "serving.")] = None,
@@ -219,7 +227,9 @@ def serve(
     if ssl_certfile is not None:
         _check_tls_files(ssl_certfile, ssl_keyfile, ssl_ca_certs)
     engine_options = {"dtype": dtype.value if dtype else None, "device": device,
-                      "tensor_parallel_size": tensor_parallel_size,
+                      "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+                      "distributed_executor_backend": distributed_executor_backend.value
+                      if distributed_executor_backend else None,
                       "quantization": quantization.value if quantization else None,
                       "kv_cache_dtype": kv_cache_dtype.value if kv_cache_dtype else None, "block_size": block_size,
                       "simulate": simulate}

@@ -101,12 +101,32 @@ class EngineConfig(BaseModel):
     async_scheduling: bool | None = None
     kv_events_config: KVEventsConfig = Field(default_factory=KVEventsConfig)  # vLLM's; for cache-aware routers
     tensor_parallel_size: int = Field(1, ge=1)  # ranks the model is split across (processes; GPUs on CUDA)
+    # stages the layers are split into (vLLM's name); the model runs on tensor x pipeline ranks (parallel.py)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    # layers per pipeline stage, first to last (vLLM's VLLM_PP_LAYER_PARTITION, which is read when this is None);
+    # None and no variable: even shares, the remainder to the stages before the last (which holds the LM head)
+    pipeline_layer_partition: list[int] | None = None
+    # where the ranks beyond the engine's own run: mp, processes of this machine; ray, actors of a Ray cluster
+    # placed across its nodes (the engine joins the cluster named by RAY_ADDRESS, else a local one) (vLLM's names)
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
     warmup: bool = True  # run a few steps at start-up, so that the first requests find every kernel ready
     # Tool calling: the format tool calls are parsed from (vLLM's --tool-call-parser); None: tools are
     # rendered by the template but tool_choice auto/required/named is refused, as vLLM does without it.
     tool_parser: ToolParserName | None = None
     chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
     simulate: SimulationConfig | None = None  # a simulated replica: no weights loaded, no model run (backends/sim)
+
+    @field_validator("pipeline_layer_partition")
+    @classmethod
+    def _positive(cls, partition: list[int] | None) -> list[int] | None:
+        if partition is not None and min(partition, default=0) < 1:
+            raise ValueError(f"every pipeline stage needs at least one layer, got {partition}")
+        return partition
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model runs on: tensor x pipeline parallel (1: this process alone)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def torch_device(self) -> torch.device:
         """``device`` resolved: ``auto`` is the current CUDA device when there is one, else the CPU."""
@@ -148,8 +168,8 @@ class EngineConfig(BaseModel):
     def overlaps_steps(self, device: torch.device) -> bool:
         """``async_scheduling`` resolved: on by default where the model runs asynchronously to the host (CUDA);
         on the CPU the host computes the step itself, so there is nothing to overlap. One process only: the
-        tensor-parallel workers take the batch's token ids from rank 0's host lists."""
-        if self.tensor_parallel_size > 1:
+        parallel ranks take the batch's token ids from the engine's host lists."""
+        if self.world_size > 1:
             return False
         return self.async_scheduling if self.async_scheduling is not None else device.type == "cuda"
 

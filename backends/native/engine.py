@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ class LLMEngine:
             from backends.sim.runner import SimulatedRunner
 
             self.runner = SimulatedRunner(config, checkpoint.config, self.tokenizer, self.eos_token_ids)
-        elif config.tensor_parallel_size > 1:
+        elif config.world_size > 1:
             from backends.native.workers import ParallelRunner
 
             self.runner = ParallelRunner(config, checkpoint, self.max_model_len)
@@ -88,6 +89,8 @@ class LLMEngine:
             self.blocks.medium = self.runner.kv_medium if self.runner.picks_tokens else \
                 "GPU" if self.runner.device.type == "cuda" else "CPU"
         self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
+        self._pipeline: deque[ScheduledStep] = deque()  # pipeline parallelism: launched, oldest first
+        self._busy: set[Sequence] = set()  # the sequences of the batches in the pipeline
         self.vocab_size = checkpoint.config.vocab_size
         self._requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, by choice index
         self._grammars: GrammarCompiler | None = None  # built on first use (xgrammar reads the vocabulary)
@@ -196,7 +199,7 @@ class LLMEngine:
         return list(self._requests)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._pipeline)
 
     @property
     def alive(self) -> bool:
@@ -215,7 +218,9 @@ class LLMEngine:
         batch is launched and the previous one's tokens come back: a step's outputs arrive with the next call,
         the host's bookkeeping overlapping the device's work. Requests that need each token on the host before
         the next step is scheduled (``_overlappable``) run synchronously, the step in flight finished first."""
-        if self.overlap_steps and self._overlappable():
+        if self.runner.depth > 1:
+            outputs = self._pipelined_step()
+        elif self.overlap_steps and self._overlappable():
             outputs = self._launch_step()
         else:
             outputs = self._finish_in_flight() + self._sync_step()
@@ -232,9 +237,35 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        batch = scheduled.batch
-        logits = self.runner.execute(batch)
+        logits = self.runner.execute(scheduled.batch)
         self._count_prompt_tokens(scheduled)
+        return self._sampled(scheduled, logits)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism: launch batches of sequences not in flight until ``runner.depth`` are (vLLM's
+        virtual engines: each stage works on one batch while the next stage works on the one before), then
+        finish the oldest. A sequence is in one batch at a time (its next token needs the last one), and each batch
+        takes an even share of the live sequences, so that the batches in flight are alike (vLLM's virtual engines
+        each hold a share of the requests)."""
+        live = len(self.scheduler.running) + len(self.scheduler.waiting)
+        share = max(1, -(-live // self.runner.depth))
+        while len(self._pipeline) < self.runner.depth:
+            scheduled = self.scheduler.schedule(busy=self._busy, max_seqs=share)
+            if scheduled is None:
+                break
+            self.runner.launch(scheduled.batch)
+            self._count_prompt_tokens(scheduled)
+            self._pipeline.append(scheduled)
+            self._busy.update(scheduled.seqs)
+        if not self._pipeline:
+            return []
+        scheduled = self._pipeline.popleft()
+        self._busy.difference_update(scheduled.seqs)
+        return self._sampled(scheduled, self.runner.finish())
+
+    def _sampled(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample a finished step's logits (prompt logprobs collected first) and apply its tokens."""
+        batch = scheduled.batch
         if self.runner.picks_tokens:  # a simulated replica's runner returns its tokens: no logits to sample
             return self._outputs(self.scheduler.postprocess(scheduled, [Sampled(t) for t in logits]))
         sample_rows = []

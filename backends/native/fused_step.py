@@ -79,7 +79,7 @@ class FusedStep:
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         kind = _weight_kind(linears)
-        if (model.tp.size != 1 or kind is None or kernels.layer_ops is not CpuLayerOps
+        if (model.tp.size != 1 or model.stage.count != 1 or kind is None or kernels.layer_ops is not CpuLayerOps
                 or not isinstance(kernels.attention, CpuAttention)):
             return None
         # the eager path's blocked steps (Linear.with_residual, GateUpLinear.silu_and_mul), which the C path follows

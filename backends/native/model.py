@@ -5,7 +5,9 @@ fused into one weight each (gate/up: on AMX CPUs silu(gate) * up comes out of th
 pass; packed for oneDNN in bf16 elsewhere, two matmuls chained by their epilogues; linear.py).
 ``load_weights`` takes tensors under HF names and fills the fused layout.
 Under tensor parallelism (parallel.py) each rank builds its shard of every layer and loads its slice of
-every tensor; the all-reduces and the logits gather are the model's only collectives.
+every tensor; the all-reduces and the logits gather are the model's only collectives. Under pipeline parallelism
+a rank builds and loads only its stage's layers (the embedding on the first stage, the norm and LM head on the
+last); its forward starts from the previous stage's hidden states and ends with its own.
 The residual stream travels beside the hidden states, so each RMSNorm adds it in the same pass (as vLLM
 does), unless the projection before it added it in its own rounding pass (``Linear.with_residual``, AMX tiles); the elementwise ops come from layer_ops.py (torch, or C kernels on CPU) and attention from an
 attention backend (attention/), both chosen per model by ``attention.choose_kernels``.
@@ -37,7 +39,7 @@ from backends.native.linear import (
     strip_layout,
     tile_layout,
 )
-from backends.native.parallel import TensorParallel
+from backends.native.parallel import PipelineStage, TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.weights import Q8_0Tensor
 
@@ -141,30 +143,47 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, residual)
 
 
-class LlamaModel(nn.Module):
-    """Decoder stack plus LM head: one rank's shard of it (the whole model when ``tp.size`` is 1).
-    ``forward`` returns fp32 logits for ``meta.logits_indices`` only, on rank 0 (None on the others)."""
+Hidden = tuple[torch.Tensor, torch.Tensor | None]  # hidden states and residual stream between stages
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None,
-                 tp: TensorParallel | None = None) -> None:
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head: one rank's shard of its stage (the whole model when ``tp.size`` is 1 and there
+    is one stage). ``forward`` returns fp32 logits for ``meta.logits_indices`` only, on the last stage's first
+    rank (None on its other ranks); an earlier stage returns its hidden states for the next."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
-        self.embed_tokens = VocabEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)  # vocab-parallel
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.stage = stage = stage or PipelineStage(layers=range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg, tp) if stage.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in stage.layers)
+        self.norm = self.lm_head = None
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            vocab = tp.padded_rows(cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, vocab.stop - vocab.start, bias=False)  # vocab-parallel
+            if self.head_is_table:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling, device=self.embed_tokens.weight.device)
+                                      cfg.rope_theta, cfg.rope_scaling, device=next(self.parameters()).device)
+
+    @property
+    def head_is_table(self) -> bool:
+        """Whether the LM head reads the embedding table itself (tied, and both on this stage)."""
+        return self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata) -> torch.Tensor | None:
-        x, residual = self.embed_tokens(input_ids), None
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata,
+                hidden: Hidden | None = None) -> torch.Tensor | Hidden | None:
+        """``hidden``: the previous stage's output, where this is not the first stage."""
+        x, residual = (self.embed_tokens(input_ids), None) if hidden is None else hidden
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+        if self.lm_head is None:
+            return x, residual
         return self.logits(x, residual, meta.logits_indices)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
@@ -207,11 +226,11 @@ class LlamaModel(nn.Module):
         for fp32, kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's,
         where it has a limit).
         Returns whether it laid them out (False where this build has no CPU layout for their dtype)."""
-        weight = self.embed_tokens.weight
+        weight = next(self.parameters())  # every float weight has the model's dtype
         if not can_pack(weight.dtype, weight.device):
             return False
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        tied = self.lm_head if self.config.tie_word_embeddings else None
+        tied = self.lm_head if self.head_is_table else None
         for module in linears:
             if layout_serves_all_rows(module.weight, weight.dtype):  # the activations are the embeddings' dtype
                 # a tied head keeps the table the lookup reads; a tied int8 head's weight is its own copy
@@ -249,14 +268,12 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors into this module: this rank's slice of each, q/k/v and gate/up fused, int8
         layers quantised per output channel (Q8_0 tensors straight from their blocks). Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        tied_head = self.config.tie_word_embeddings
+        tied_head = self.head_is_table
         unset = {name for name in params if not (tied_head and name.startswith("lm_head."))}
         for hf_name, tensor in tensors:
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue
+            if not self.holds(hf_name):
+                continue  # another stage's, or not a weight
             name, rows, dim, part = self._target(hf_name)
-            if name == "lm_head.weight" and tied_head:
-                continue  # some checkpoints store the tied copy too
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name} has no place in the model")
             if params[name].dtype == torch.int8:
@@ -276,10 +293,30 @@ class LlamaModel(nn.Module):
             _copy(self.lm_head.weight, None, q.values, 0, None, "lm_head.weight")
             _copy(self.lm_head.scales, None, q.scales, 0, None, "lm_head.scales")
 
-    def _target(self, hf_name: str) -> tuple[str, slice | None, int, slice | None]:
-        """Map an HF name to (our parameter, the rows it fills in a fused parameter or None for all, and
-        the dimension and slice of the HF tensor this rank holds, or None for all of it)."""
+    def holds(self, hf_name: str) -> bool:
+        """Whether this rank's stage takes the HF tensor ``hf_name`` (checkpoints skip the others unread)."""
         name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return False  # recomputed from the config
+        if name.startswith("layers."):
+            return int(name.split(".")[1]) in self.stage.layers
+        if name == "embed_tokens.weight":  # a tied head on the last stage is its own copy of the table
+            return self.embed_tokens is not None or (self.lm_head is not None and self.config.tie_word_embeddings)
+        if name == "lm_head.weight":  # some checkpoints store a tied head's copy too
+            return self.lm_head is not None and not self.config.tie_word_embeddings
+        if name == "norm.weight":
+            return self.norm is not None
+        return True  # not a name of this architecture: ``load_weights`` says so
+
+    def _target(self, hf_name: str) -> tuple[str, slice | None, int, slice | None]:
+        """Map an HF name this rank ``holds`` to (our parameter, the rows it fills in a fused parameter or None for
+        all, and the dimension and slice of the HF tensor this rank holds, or None for all of it)."""
+        name = hf_name.removeprefix("model.")
+        if name.startswith("layers."):  # the checkpoint's layer index -> this stage's
+            _, index, rest = name.split(".", 2)
+            name = f"layers.{int(index) - self.stage.layers.start}.{rest}"
+        elif name == "embed_tokens.weight" and self.embed_tokens is None:
+            name = "lm_head.weight"
         cfg, tp, d = self.config, self.tp, self.config.head_dim
         q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, cfg.intermediate_size // tp.size
         q_heads, kv_heads = tp.rows(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads)
@@ -298,7 +335,7 @@ class LlamaModel(nn.Module):
             if f".{part}." in name:
                 return name.replace(part, target), rows, dim, shard if tp.size > 1 else None
         if name in ("embed_tokens.weight", "lm_head.weight") and tp.size > 1:
-            return name, None, 0, self.embed_tokens.rows
+            return name, None, 0, tp.padded_rows(cfg.vocab_size)
         return name, None, 0, None
 
 

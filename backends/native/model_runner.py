@@ -20,7 +20,7 @@ from backends.native.cuda_graphs import DecodeGraphs
 from backends.native.fused_step import FusedStep
 from backends.native.linear import Linear
 from backends.native.model import LlamaModel, dummy_tensors
-from backends.native.parallel import TensorParallel
+from backends.native.parallel import PipelineStage, Rank, TensorParallel
 from backends.native.rotary import RotaryEmbedding
 from backends.native.row_buckets import padded_rows, warm_up_linears
 from backends.native.transfers import to_device
@@ -32,16 +32,17 @@ CPU_KV_CACHE_BYTES = 2 << 30  # the default budget where memory cannot be profil
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None, int8: bool = False) -> LlamaModel:
-    """An uninitialised model (this rank's shard) on ``device``, with int8 linear layers if ``int8``;
+                rank: Rank | None = None, int8: bool = False) -> LlamaModel:
+    """An uninitialised model (this rank's shard of its stage) on ``device``, with int8 linear layers if ``int8``;
     ``load_weights`` or the caller fills it."""
+    rank = rank or Rank(stage=PipelineStage(layers=range(config.num_layers)))
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions, tp)
+        model = LlamaModel(config, max_positions, rank.tp, rank.stage)
         if int8:
             model.to_int8()  # before memory is allocated: a float copy of the weights never exists
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling, device)
-    if config.tie_word_embeddings and not int8:
+    if model.head_is_table and not int8:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
@@ -52,25 +53,30 @@ def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     return dataclasses.replace(config, num_heads=config.num_heads // tp_size, num_kv_heads=kv.stop - kv.start)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Keys and values of ``block_size`` tokens across every layer, on one of ``tp_size`` ranks."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1,
+                       num_layers: int | None = None) -> int:
+    """Keys and values of ``block_size`` tokens across ``num_layers`` layers (default: all: one pipeline stage),
+    on one of ``tp_size`` ranks."""
     local = local_config(config, tp_size)
-    return 2 * config.num_layers * block_size * local.num_kv_heads * config.head_dim * dtype.itemsize
+    layers = config.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * local.num_kv_heads * config.head_dim * dtype.itemsize
 
 
 def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int,
-                    tp_size: int = 1) -> int:
+                    tp_size: int = 1, num_layers: int | None = None) -> int:
     """How many KV blocks a rank's ``budget_bytes`` hold: the engine's allocation and the planner's prediction."""
-    return max(budget_bytes, 0) // kv_bytes_per_block(config, block_size, dtype, tp_size)
+    return max(budget_bytes, 0) // kv_bytes_per_block(config, block_size, dtype, tp_size, num_layers)
 
 
 class ModelRunner:
     picks_tokens = False  # execute returns logits for the engine's sampler (backends/sim's runner: tokens)
+    depth = 1  # batches in flight at once: one process runs one step at a time
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_model_len: int,
-                 tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
-        """One rank's runner (the whole model without ``tp``); ``device`` overrides ``config.device``."""
-        self.tp = tp or TensorParallel()
+                 rank: Rank | None = None, device: torch.device | None = None) -> None:
+        """One rank's runner (the whole model without ``rank``); ``device`` overrides ``config.device``."""
+        self.rank = rank or Rank(stage=PipelineStage(layers=range(checkpoint.config.num_layers)))
+        self.tp, self.stage = self.rank.tp, self.rank.stage
         self.device = device or config.torch_device()
         self.dtype = config.torch_dtype(self.device)
         if config.quantization == "int8" and self.device.type != "cpu":
@@ -83,7 +89,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = self._load(config, checkpoint)
         # Every rank must hold the same number of blocks: the block manager on rank 0 hands them out.
-        self.num_blocks = self.tp.minimum(config.num_blocks or self._fit_blocks(config))
+        self.num_blocks = self.rank.minimum(config.num_blocks or self._fit_blocks(config))
         if self.num_blocks < 1:
             raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization / kv_cache_gb")
@@ -98,8 +104,9 @@ class ModelRunner:
         if self.pad_rows and config.warmup:
             warm_up_linears(self.model, config.max_num_batched_tokens, config.max_num_seqs)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs:
+        self.graphs = None  # a graph replays the whole model: one pipeline stage only
+        if (self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs
+                and self.stage.count == 1):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.kernels.attention, config.max_num_seqs,
                                        -(-max_model_len // self.block_size))
         self.fused = None if config.enforce_eager else FusedStep.build(self.model, self.kv_caches, self.kernels)
@@ -107,12 +114,12 @@ class ModelRunner:
     def _load(self, config: EngineConfig, checkpoint: Checkpoint) -> LlamaModel:
         int8 = config.quantization == "int8"
         if config.load_format == "dummy":
-            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device, self.tp, int8)
+            model = build_model(checkpoint.config, self.max_model_len, self.dtype, self.device, self.rank, int8)
             model.load_weights(dummy_tensors(checkpoint.config, config.seed, self.dtype, self.device))
             return model
         # Filled in fp32 where it runs, then cast: GGUF tensors arrive dequantised to fp32 (Q8_0 ones as stored).
-        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device, self.tp, int8)
-        model.load_weights(checkpoint.tensors())
+        model = build_model(checkpoint.config, self.max_model_len, torch.float32, self.device, self.rank, int8)
+        model.load_weights(checkpoint.tensors(model.holds))
         return model.to(dtype=self.dtype)
 
     # ---------------------------------------------------------------------------------- KV cache
@@ -121,19 +128,19 @@ class ModelRunner:
         # One block more than the block manager hands out: padding rows of CUDA graphs write there.
         shape = (cfg.num_kv_heads, num_blocks + 1, self.block_size, cfg.head_dim)  # head-major: see attention/
         return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(cfg.num_layers)]
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.model.layers]
 
     def _fit_blocks(self, config: EngineConfig) -> int:
-        cfg, tp_size = self.model.config, self.tp.size
+        cfg, tp_size, layers = self.model.config, self.tp.size, len(self.model.layers)
         if config.kv_cache_gb is not None or self.device.type != "cuda":
             budget = int(config.kv_cache_gb * 2**30) if config.kv_cache_gb is not None else CPU_KV_CACHE_BYTES
-            return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size)
+            return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size, layers)
         free, total = self._profile(config)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
         log.info("KV cache: %.2f GiB of %.2f GiB (gpu_memory_utilization %.2f; %.2f GiB used by weights, "
                  "peak activations and others)", max(budget, 0) / 2**30, total / 2**30,
                  config.gpu_memory_utilization, (total - free) / 2**30)
-        return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size)
+        return kv_cache_blocks(cfg, self.block_size, self.kv_dtype, budget, tp_size, layers)
 
     def _profile(self, config: EngineConfig) -> tuple[int, int]:
         """(free, total) GPU bytes as they would be at the peak of a step at the full token budget."""
@@ -147,8 +154,10 @@ class ModelRunner:
                       [list(range(blocks))], [True])
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = None if self.stage.is_first else self._zeros_hidden(tokens)
         with torch.inference_mode():
-            self.model(self._ids(batch.token_ids), self._ids(batch.positions), caches, kernels.attention.build(batch))
+            self.model(self._ids(batch.token_ids), self._ids(batch.positions), caches, kernels.attention.build(batch),
+                       hidden)
         torch.cuda.synchronize(self.device)
         # What torch's allocator held at the peak, beyond what it holds now, is taken again by every big step.
         transient = torch.cuda.max_memory_reserved(self.device) - torch.cuda.memory_reserved(self.device)
@@ -180,6 +189,20 @@ class ModelRunner:
             v_cache[:, dst] = v_cache[:, src]
 
     # --------------------------------------------------------------------------------------- step
+    def _zeros_hidden(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        return x, torch.zeros_like(x)
+
+    def _stage_input(self, real_rows: int, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The previous stage's output for this step (None on the first stage), padded to ``rows``."""
+        if self.stage.is_first:
+            return None
+        x, residual = self.stage.receive(real_rows, self.model.config.hidden_size, self.dtype, self.device)
+        if rows > real_rows:
+            pad = self._zeros_hidden(rows - real_rows)
+            x, residual = torch.cat([x, pad[0]]), torch.cat([residual, pad[1]])
+        return x, residual
+
     def _ids(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
 
@@ -194,8 +217,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch, previous: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run one step; returns fp32 logits [rows, vocab], the rows of ``batch.logits_rows()`` (on rank 0;
-        None on other ranks). ``previous``: the token picks of the step before, on the device, where
+        """Run one step of this rank's stage; returns fp32 logits [rows, vocab], the rows of
+        ``batch.logits_rows()``, on the last stage's first rank (None on other ranks: an earlier stage sends its
+        hidden states on). ``previous``: the token picks of the step before, on the device, where
         ``batch.placeholders`` takes tokens from (async scheduling)."""
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
@@ -209,6 +233,14 @@ class ModelRunner:
             padding = [] if fused else [0] * (padded_rows(len(ids)) - len(ids))
             ids, positions = ids + padding, positions + padding
             attention.pad(meta, len(ids), padded_rows(logits_rows))
+        hidden = self._stage_input(len(batch.token_ids), len(ids))
         ids, positions = self._token_ids(batch, ids, previous), self._ids(positions)
-        logits = self.fused.run(ids, positions, meta) if fused else self.model(ids, positions, self.kv_caches, meta)
-        return logits if logits is None else logits[:logits_rows]
+        if fused:
+            return self.fused.run(ids, positions, meta)[:logits_rows]
+        out = self.model(ids, positions, self.kv_caches, meta, hidden)
+        if not self.stage.is_last:
+            x, residual = out
+            rows = len(batch.token_ids)
+            self.stage.send(x[:rows], None if residual is None else residual[:rows])
+            return None
+        return out if out is None else out[:logits_rows]

@@ -13,6 +13,10 @@ one step later: each sampling sequence then ends with a placeholder token (``Seq
 step is scheduled over it and reads the real token from the device (``Batch.placeholders``), and the stop
 rules run while the GPU computes. A sequence that stopped in step N was scheduled in step N+1 too: that
 token is dropped. One whose placeholder is its last token by length is not scheduled again.
+
+Under pipeline parallelism several batches are in flight at once (the engine's ``_pipelined_step``): a batch
+takes only sequences that none in flight holds (``busy``), and those are never preempted to make room; the engine
+caps each batch's sequences (``max_seqs``) so that the live ones spread over the batches in flight.
 """
 
 from __future__ import annotations
@@ -94,32 +98,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -------------------------------------------------------------------------------- schedule
-    def schedule(self) -> ScheduledStep | None:
+    def schedule(self, busy: frozenset[Sequence] | set[Sequence] = frozenset(),
+                 max_seqs: int | None = None) -> ScheduledStep | None:
+        """The next batch, of at most ``max_seqs`` sequences not in ``busy`` (held by batches in flight), or None
+        if nothing can run."""
         budget = self.config.max_num_batched_tokens
+        room = max_seqs or self.config.max_num_seqs
         chosen: dict[Sequence, int] = {}
         preempted = False
 
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(chosen) == room:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or seq in busy:
+                continue  # preempted earlier in this loop, or its last step is still in flight
             if seq.pending is not None and seq.stop.ends_by_length(seq.num_output, seq.num_tokens):
                 continue  # its in-flight token is its last: nothing more to compute
             n = min(seq.num_uncomputed, budget)
-            while not self.blocks.allocate(seq, n):
-                victim = self.running[-1]
+            while not (allocated := self.blocks.allocate(seq, n)):
+                victim = next((s for s in reversed(self.running) if s not in busy), None)
+                if victim is None:
+                    break  # every other sequence is in flight: this one waits for them
                 self._preempt(victim)
                 budget += chosen.pop(victim, 0)
                 preempted = True
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING:
+            if allocated:
                 chosen[seq] = n
                 budget -= n
 
         # Admitting new work right after a preemption would only thrash the cache.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs
+               and len(chosen) < room):
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq)
             remaining = seq.num_uncomputed - len(hits) * self.blocks.block_size

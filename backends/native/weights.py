@@ -67,12 +67,16 @@ class Checkpoint:
         """Where the tokenizer lives: beside the weights, or the embedded model's for a bare config."""
         return self.path if self.has_weights else default_model_path()
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
-        """(HF name, tensor) pairs: float tensors, GGUF tensors dequantised to fp32 except Q8_0 ones, which
-        stay as stored until the model takes them (``Q8_0Tensor``)."""
+    def tensors(self, wanted: Callable[[str], bool] = lambda name: True
+                ) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
+        """(HF name, tensor) pairs of the ``wanted`` names (the others are never read): float tensors, GGUF
+        tensors dequantised to fp32 except Q8_0 ones, which stay as stored until the model takes them
+        (``Q8_0Tensor``)."""
         if not self.has_weights:
             raise ValueError(f"{self.path} is a config without weights: load it with load_format dummy")
-        return _gguf_tensors(self.gguf_reader, self.config) if self.is_gguf else _safetensors(self.path)
+        if self.is_gguf:
+            return _gguf_tensors(self.gguf_reader, self.config, wanted)
+        return _safetensors(self.path, wanted)
 
 
 def default_model_path() -> Path:
@@ -118,7 +122,7 @@ def open_checkpoint(path: str | Path, hf_overrides: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------- safetensors
-def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors.torch import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -131,7 +135,8 @@ def _safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for shard in shards:
         with safe_open(str(path / shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 # ----------------------------------------------------------------------------------------------- GGUF
@@ -196,7 +201,8 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))  # own, writable copy (or a view of one)
 
 
-def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
+def _gguf_tensors(reader, config: ModelConfig, wanted: Callable[[str], bool]
+                  ) -> Iterator[tuple[str, torch.Tensor | Q8_0Tensor]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
@@ -204,8 +210,8 @@ def _gguf_tensors(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         if type_name not in _SUPPORTED_GGUF_TYPES:
             raise ValueError(f"GGUF tensor {tensor.name} has type {type_name}; supported: {sorted(_SUPPORTED_GGUF_TYPES)}")
         name = _hf_name(tensor.name)
-        if name is None:
-            continue  # e.g. rope_freqs: recomputed from the config
+        if name is None or not wanted(name):
+            continue  # e.g. rope_freqs (recomputed from the config), another pipeline stage's
         permute = None
         if config.architecture == "llama":
             # llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it.

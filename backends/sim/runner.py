@@ -54,6 +54,7 @@ class SimulatedRunner:
     """``ModelRunner``'s interface to the engine, with no model: ``execute`` returns the sampled rows' tokens."""
 
     picks_tokens = True  # the engine takes its tokens as they are: there are no logits to sample from
+    depth = 1  # batches in flight at once: one process runs one step at a time
     graphs = fused = None
     alive = True
 

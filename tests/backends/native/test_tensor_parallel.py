@@ -4,34 +4,25 @@ Random-weight Llama models with the design's GQA shape (40 query / 8 KV heads, s
 depth) split where the tensor-parallel size divides the KV heads, and a model with 2 KV heads split 4
 ways (each KV head replicated on two ranks): greedy 64-token continuations of a batch of 16 prompts are
 identical at TP 1, 2 and 4 and to transformers in fp32; SmolLM2 (9 query / 3 KV heads) at TP 3 equals
-TP 1. Each rank holds 1/tp of the weights. A worker killed mid-burst fails every in-flight request and
-the deployment's health; a size that cannot split the model is refused before any process starts.
+TP 1. Each rank holds 1/tp of the weights. A rank killed mid-burst (a tensor-parallel worker, or a pipeline
+stage) fails every in-flight request and the deployment's health; a size that cannot split the model is refused
+before any process starts.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from backends.base import SamplingParams
-from backends.native.backend import NativeBackend
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from gateway.app import create_app
-from gateway.config import Settings
-from gateway.deployments import Deployment
-from gateway.limits import ConcurrencyLimiter
-from gateway.routing import ModelGroup
-from gateway.service import Gateway
 from tests.backends.native.reference import hf_greedy
-from tests.servers import serve_app
+from tests.backends.native.splits import assert_losing_a_rank_fails_requests_and_health, rank_weight_bytes, served
 
 NEW_TOKENS = 24
 DESIGN = Path(__file__).resolve().parents[3] / "configs" / "llama-12.3b-gqa.json"
@@ -58,16 +49,6 @@ def _engine(path, tp: int, tokenizer, **overrides) -> LLMEngine:
     config = EngineConfig(model_path=str(path), tensor_parallel_size=tp, dtype="float32", max_model_len=512,
                           num_blocks=256, max_num_batched_tokens=256, num_threads=1, **overrides)
     return LLMEngine(config, tokenizer=tokenizer)
-
-
-def _rank_bytes(cfg, tp: int) -> int:
-    """fp32 weight bytes one of ``tp`` ranks holds: its shards, and what every rank holds whole (norms, a
-    KV head shared by several ranks, the vocabulary padding)."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
-    q, kv = cfg.num_heads // tp * d, max(cfg.num_kv_heads // tp, 1) * d
-    vocab = -(-cfg.vocab_size // tp) * h * (1 if cfg.tie_word_embeddings else 2)
-    layer = (q + 2 * kv) * h + h * q + 3 * inter * h + 2 * h
-    return 4 * (vocab + cfg.num_layers * layer + h)
 
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -106,7 +87,7 @@ def test_every_split_equals_one_rank_and_transformers(model, prompts, smollm2_to
             copies = engine.runner.call("small_step_copy_bytes")  # a second copy for small steps (linear.py)
             # Measured: what each process holds once (oneDNN's packed copies pad a little), against 1/tp of the
             # whole plus the parts every rank holds; and a rank holds no more than its share of the whole model.
-            expected = _rank_bytes(engine.model_config, tp)
+            expected = rank_weight_bytes(engine.model_config, tp)
             held_once = [b - c for b, c in zip(per_rank, copies)]
             assert len(per_rank) == tp and all(abs(b - expected) <= 0.01 * expected for b in held_once), held_once
             assert max(per_rank) < 1.1 * total / tp
@@ -139,46 +120,15 @@ def test_a_size_that_cannot_split_the_model_is_refused_before_any_worker_starts(
     assert not multiprocessing.active_children()
 
 
-def test_a_worker_killed_mid_burst_fails_its_requests_and_the_deployment(tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_a_rank_killed_mid_burst_fails_its_requests_and_the_deployment(tmp_path, smollm2_tokenizer, split):
     path = tmp_path / "model"
     _save_hf_model(path, REPLICATED, smollm2_tokenizer)
-    engine = _engine(path, 2, smollm2_tokenizer)
-    backend = NativeBackend("tp", engine=engine)
-    group = ModelGroup("tp", [Deployment(name="tp-0", backend=backend, limiter=ConcurrencyLimiter(64, 64))])
-    gateway = Gateway(Settings(router={"health_interval_s": 0.2}), [group])
+    engine = _engine(path, split.get("tensor_parallel_size", 1), smollm2_tokenizer,
+                     pipeline_parallel_size=split.get("pipeline_parallel_size", 1))
     try:
-        with serve_app(create_app(gateway)) as url:
-            results: list[str] = []
-
-            def one_request(i: int) -> None:
-                body = {"model": "tp", "prompt": f"Count to a thousand, take {i}:", "max_tokens": 400,
-                        "ignore_eos": True, "stream": True}
-                try:
-                    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                        text = "".join(r.iter_lines())
-                    results.append("error" if r.status_code != 200 or '"error"' in text else "ok")
-                except httpx.HTTPError:
-                    results.append("error")
-
-            clients = [threading.Thread(target=one_request, args=(i,)) for i in range(8)]
-            for c in clients:
-                c.start()
-            deadline = time.monotonic() + 60
-            while engine.generation_tokens_total < 20:  # the burst is under way
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            engine.runner.workers[0].kill()
-            for c in clients:
-                c.join(timeout=60)
-            assert not any(c.is_alive() for c in clients), "a request hangs"
-            assert results == ["error"] * 8
-            deadline = time.monotonic() + 10
-            while True:
-                (deployment,) = httpx.get(f"{url}/admin/backends").json()["models"][0]["deployments"]
-                if not deployment["healthy"]:
-                    break
-                assert time.monotonic() < deadline, "the deployment still reports healthy"
-                time.sleep(0.1)
+        with served(engine) as url:
+            assert_losing_a_rank_fails_requests_and_health(url, "split", lambda: engine.runner.workers.kill(0))
     finally:
         engine.close()
     assert not multiprocessing.active_children()

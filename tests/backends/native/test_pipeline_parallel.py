@@ -1,0 +1,147 @@
+"""Pipeline parallelism on CPU (gloo, one process per extra rank): every split serves the same model, each rank
+holding only its stage's layers.
+
+A 5-layer random-weight Llama (8 query / 2 KV heads, a tied LM head) serves 12 prompts, four of them sharing a
+long prefix, with prefix caching, chunked prefill (a 64-token step budget) and preemption (a KV cache too small
+for the batch) in play: greedy continuations are identical split into 2 stages (vLLM's default partition, 3 + 2
+layers), 3 uneven stages (1 + 3 + 1, as ``VLLM_PP_LAYER_PARTITION`` gives it), 2 tensor x 2 pipeline ranks, and
+in one process. The stages keep several batches in flight, each of sequences no other batch holds. A rank lost
+mid-burst is tests/backends/native/test_tensor_parallel.py's check, shared.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from backends.base import SamplingParams
+from backends.native.config import EngineConfig
+from backends.native.engine import LLMEngine
+from backends.native.parallel import stage_layers
+from tests.backends.native.reference import LONG_CONTEXT
+from tests.backends.native.splits import rank_weight_bytes
+
+NEW_TOKENS = 24
+TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 5, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152, "max_position_embeddings": 512,
+              "tie_word_embeddings": True,
+              "initializer_range": 0.15}  # large enough for varied continuations (HF's 0.02 repeats one token)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_tokenizer):
+    """An HF directory with a random-weight 5-layer Llama and SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(path)
+    smollm2_tokenizer.hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_tokenizer) -> list[list[int]]:
+    shared = [LONG_CONTEXT + end for end in ("In summary,", "The key idea was", "Next came", "Finally,")]
+    texts = [*shared, "Hello there", "1 2 3", "A", "def f(x):", "Paris is", "Roses are red,", "Step 1:", "<html>"]
+    return [smollm2_tokenizer.encode(t) for t in texts]
+
+
+def _engine(path, tokenizer, **split) -> LLMEngine:
+    # 24 blocks of 16 tokens hold about half of the batch's sequences: preemption is certain
+    config = EngineConfig(model_path=str(path), dtype="float32", max_model_len=512, block_size=16, num_blocks=24,
+                          max_num_batched_tokens=64, num_threads=1, **split)
+    return LLMEngine(config, tokenizer=tokenizer)
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama, smollm2_tokenizer, prompts):
+    """(greedy continuations, the engine's preemptions and prefix-cache hits) in one process."""
+    engine = _engine(tiny_llama, smollm2_tokenizer)
+    tokens = _greedy(engine, prompts)
+    return tokens, engine.scheduler.num_preemptions, engine.blocks.prefix_hits
+
+
+@pytest.mark.parametrize("split", [
+    {"pipeline_parallel_size": 2},
+    {"pipeline_parallel_size": 3, "pipeline_layer_partition": [1, 3, 1]},
+    {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+], ids=["pp2", "pp3-uneven", "tp2-pp2"])
+def test_every_split_serves_the_same_tokens_each_rank_holding_only_its_layers(tiny_llama, smollm2_tokenizer, prompts,
+                                                                             one_process, split):
+    reference, preemptions, hits = one_process
+    assert preemptions > 0 and hits > 0  # the workload exercises both
+    engine = _engine(tiny_llama, smollm2_tokenizer, **split)
+    try:
+        assert _greedy(engine, prompts) == reference
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.prefix_hits > 0
+        tp, pp = engine.config.tensor_parallel_size, engine.config.pipeline_parallel_size
+        layers = stage_layers(5, pp, engine.config.pipeline_layer_partition)
+        expected = [rank_weight_bytes(engine.model_config, tp, len(layers[s]), s == 0, s == pp - 1)
+                    for s in range(pp) for _ in range(tp)]
+        per_rank = engine.runner.call("weight_bytes")
+        copies = engine.runner.call("small_step_copy_bytes")  # a second copy for small steps (linear.py)
+        held_once = [b - c for b, c in zip(per_rank, copies)]
+        assert all(abs(b - e) <= 0.01 * e for b, e in zip(held_once, expected, strict=True)), (held_once, expected)
+        assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()
+
+
+def test_stages_keep_several_batches_of_different_sequences_in_flight(tiny_llama, smollm2_tokenizer, prompts):
+    engine = _engine(tiny_llama, smollm2_tokenizer, pipeline_parallel_size=2)
+    in_flight: list[int] = []  # batches launched and not finished, as each new one is scheduled
+    overlaps: list[set] = []  # sequences a new batch shares with those in flight
+    schedule = engine.scheduler.schedule
+
+    def watched(busy=frozenset(), max_seqs=None):
+        scheduled = schedule(busy, max_seqs)
+        if scheduled is not None:
+            in_flight.append(len(engine._pipeline))
+            overlaps.append(set(scheduled.seqs) & {s for step in engine._pipeline for s in step.seqs})
+        return scheduled
+
+    engine.scheduler.schedule = watched
+    try:
+        _greedy(engine, prompts)
+        assert max(in_flight) == 1  # two batches at once: one per stage, never more
+        assert in_flight.count(1) > len(in_flight) / 3
+        assert not any(overlaps)
+    finally:
+        engine.close()
+
+
+def test_layer_partitions_follow_vllm():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert [len(s) for s in stage_layers(26, 4)] == [6, 7, 7, 6]  # the remainder before the last stage
+    assert stage_layers(5, 3, [1, 3, 1]) == [range(0, 1), range(1, 4), range(4, 5)]
+
+
+def test_vllm_pp_layer_partition_is_read(monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,4")
+    assert stage_layers(5, 2) == [range(0, 1), range(1, 5)]
+
+
+@pytest.mark.parametrize("split, message", [
+    ({"pipeline_parallel_size": 6}, "pipeline_parallel_size 6 is more than the model's 5 layers"),
+    ({"pipeline_parallel_size": 2, "pipeline_layer_partition": [2, 2]}, r"\[2, 2\] must give each stage"),
+    ({"pipeline_parallel_size": 3, "pipeline_layer_partition": [2, 3]}, "has 2 stages, pipeline_parallel_size is 3"),
+])
+def test_a_split_that_does_not_fit_the_model_is_refused_before_any_rank_starts(tiny_llama, smollm2_tokenizer, split,
+                                                                              message):
+    with pytest.raises(ValueError, match=message):
+        _engine(tiny_llama, smollm2_tokenizer, **split)
+    assert not multiprocessing.active_children()
+
+
+def test_a_stage_without_layers_is_refused_where_the_config_is_read():
+    with pytest.raises(ValueError, match="at least one layer"):
+        EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=[5, 0])
