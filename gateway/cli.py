@@ -13,7 +13,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 
 from backends.native.config import EngineConfig
-from backends.native.gpus import GPUS
+from backends.native.gpus import GPUS, INTERCONNECTS
 from backends.sim.cli import app as sim_app
 from gateway.access_log import LogFormat, configure_logging
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
@@ -277,6 +277,7 @@ def _check_tls_files(certfile: Path, keyfile: Path, ca_certs: Path | None) -> No
 
 
 GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)  # typer choices
+InterconnectName = Enum("InterconnectName", {name.replace("-", "_"): name for name in INTERCONNECTS}, type=str)
 
 
 class PlanDtype(StrEnum):
@@ -304,7 +305,8 @@ def plan(
                                                   "ttft_p99_ms=2000, tpot_p99_ms=100).")] = None,
     rate: Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="With --slo: the traffic's arrival "
                                                "rate.")] = None,
-    requests: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: requests simulated.")] = 1000,
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: requests simulated; with --gpus: "
+                                          "prompts in the burst.")] = 1000,
     arrivals: Annotated[str, typer.Option(metavar="KIND", help="With --slo: poisson, constant or gamma.")] = "poisson",
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: a "
                                                "Mooncake-format trace as the traffic instead.")] = None,
@@ -315,12 +317,25 @@ def plan(
     max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.")] = 64,
     plot: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE.png", help="With --slo: the curves "
                                               "behind the answer as a chart.")] = None,
+    gpus: Annotated[int | None, typer.Option(min=1, metavar="N", help="How to split the model over N GPUs: every "
+                                             "tensor x pipeline parallel layout and its burst time, the fastest "
+                                             "recommended.")] = None,
+    interconnect: Annotated[InterconnectName | None, typer.Option(help="With --gpus: how GPUs in a node are joined "
+                                                                  "(default: the GPU type's).")] = None,
+    network: Annotated[InterconnectName, typer.Option(help="With --gpus: how nodes are joined.")] = "ib-200g",
+    gpus_per_node: Annotated[int, typer.Option(min=1, metavar="N", help="With --gpus: GPUs in a node.")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Memory and roofline speed of the native engine for a model on a GPU type: what fits where. With --slo:
-    how many replicas of it carry a traffic within that SLO, per GPU type."""
+    """Memory and roofline speed of the native engine for a model on a GPU type: what fits where. With --gpus: how
+    to split it over that many (tensor x pipeline parallel, per interconnect). With --slo: how many replicas of it
+    carry a traffic within that SLO, per GPU type."""
     from backends.native.weights import open_checkpoint
 
+    if gpus is not None:
+        _plan_split(model, [g.value for g in gpu], gpus, dtype.value, input_len, output_len, requests,
+                    gpu_memory_utilization, max_num_seqs, interconnect.value if interconnect else None,
+                    InterconnectName(network).value, gpus_per_node, as_json)
+        return
     if slo:
         _plan_for_slo(model, [g.value for g in gpu], slo, rate, requests, arrivals, trace, dataset, input_len,
                       output_len, tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing, max_replicas,
@@ -362,6 +377,41 @@ def _print_static_plan(model: Path, gpu: str, dtype: str, input_len: int, output
     Console().print(table)
     if result.why:
         typer.echo(result.why)
+
+
+def _plan_split(model: Path, gpus: list[str], count: int, dtype: str, input_len: int, output_len: int, requests: int,
+                utilization: float, max_num_seqs: int, interconnect: str | None, network: str, gpus_per_node: int,
+                as_json: bool) -> None:
+    """``plan --gpus N``: per GPU type, every tensor x pipeline layout of the model on N GPUs, fastest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from backends.native.split_planner import Burst, plan_split
+    from backends.native.weights import open_checkpoint
+
+    burst = Burst(requests, input_len, output_len, utilization, max_num_seqs)
+    try:
+        config = open_checkpoint(model).config
+        plans = [plan_split(config, g, count, burst, dtype, interconnect, network, gpus_per_node) for g in gpus]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model / --gpus") from None
+    if as_json:
+        dicts = [p.as_dict() for p in plans]
+        typer.echo(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
+        return
+    for p in plans:
+        table = Table(title=f"{model.name} on {count} x {GPUS[p.gpu].name} ({INTERCONNECTS[p.interconnect].name}), "
+                            f"{dtype}: {requests} x ({input_len} in, {output_len} out) at once")
+        for column in ("TP", "PP", "replicas", "nodes", "fits", "running", "prefill s", "decode s", "burst s",
+                       "output tok/s", "all-reduce s", "sends s", "waiting s"):
+            table.add_column(column, justify="right", no_wrap=True)
+        for l in p.layouts:
+            cells = [f"{l.prefill_s:,.1f}", f"{l.decode_s:,.1f}", f"{l.burst_s:,.1f}", f"{l.output_tok_s:,.0f}",
+                     f"{l.all_reduce_s:,.1f}", f"{l.send_s:,.2f}", f"{l.bubble_s:,.1f}"] if l.fits else [""] * 7
+            table.add_row(str(l.tensor_parallel_size), str(l.pipeline_parallel_size), str(l.replicas),
+                          str(l.nodes_per_replica), "yes" if l.fits else "no", str(l.sequences), *cells)
+        Console(width=max(Console().width, 140)).print(table)  # 13 columns: wider than a default 80
+        typer.echo(f"recommended: {p.reason}")
 
 
 def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: float | None, requests: int,

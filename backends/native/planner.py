@@ -24,15 +24,25 @@ TP_SIZES = (1, 2, 4, 8)
 CUDA_CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS workspaces, graph pools: what profiling finds beyond torch
 
 
-def weight_bytes_per_gpu(config: ModelConfig, dtype: torch.dtype, tp: int) -> int:
-    """Bytes of the weights one of ``tp`` GPUs holds (its shards, the replicated parts whole)."""
+def layer_parameters(config: ModelConfig, tp: int) -> int:
+    """Parameters of one decoder layer that one of ``tp`` GPUs holds."""
     local = local_config(config, tp)
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size // tp
     q, kv = local.num_heads * d, local.num_kv_heads * d
-    vocab = -(-config.vocab_size // tp) * h * (1 if config.tie_word_embeddings else 2)
     bias = q + 2 * kv if config.attention_bias else 0
-    layer = (q + 2 * kv) * h + bias + h * q + 3 * inter * h + 2 * h
-    return dtype.itemsize * (vocab + config.num_layers * layer + h)
+    return (q + 2 * kv) * h + bias + h * q + 3 * inter * h + 2 * h
+
+
+def weight_bytes_per_gpu(config: ModelConfig, dtype: torch.dtype, tp: int, layers: int | None = None,
+                         first: bool = True, last: bool = True) -> int:
+    """Bytes of the weights one of ``tp`` GPUs of a pipeline stage of ``layers`` layers (default: the whole model)
+    holds: its shards, the replicated parts whole, the embedding rows on the first stage, the norm and LM head
+    rows on the last (a tied head's own copy of the table unless the stage is both)."""
+    h = config.hidden_size
+    tables = (first + last) if not (first and last) else (1 if config.tie_word_embeddings else 2)
+    vocab = -(-config.vocab_size // tp) * h * tables
+    layers = config.num_layers if layers is None else layers
+    return dtype.itemsize * (vocab + layers * layer_parameters(config, tp) + (h if last else 0))
 
 
 def activation_bytes(config: ModelConfig, dtype: torch.dtype, tp: int, max_num_batched_tokens: int,
