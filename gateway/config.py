@@ -229,6 +229,12 @@ class Settings(BaseSettings):
             unknown = [f for f in m.fallbacks if f not in names or f == m.name]
             if unknown:
                 raise ValueError(f"model {m.name!r}: fallbacks must name other configured models, not {unknown}")
+        split = [m.name for m in self.models for d in m.deployments
+                 if isinstance(d, NativeDeployment) and d.world_size > 1 and d.simulate is None]
+        if len(split) > 1:  # torch.distributed: one default process group per process
+            raise ValueError(f"models {split}: one gateway process runs at most one native engine split over ranks "
+                             f"(tensor or pipeline parallel); serve the others with their own `burstgate serve`, "
+                             f"behind an openai deployment")
         return self
 
     def routes(self) -> list[ModelRoute]:

@@ -47,8 +47,9 @@ RequestOutput = tuple[str, GenerationChunk]  # (request id, what one step produc
 
 
 def start_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> LLMEngine:
-    """The process prepared for an engine (threads, memory: process.py), then the engine."""
-    prepare_process(config)
+    """The process prepared for an engine (threads, memory: process.py; its CPUs shared with the other ranks
+    when the model is split over processes of this machine), then the engine."""
+    prepare_process(config, share=config.world_size if config.distributed_executor_backend == "mp" else 1)
     return LLMEngine(config, tokenizer)
 
 

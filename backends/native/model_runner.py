@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -173,6 +174,11 @@ class ModelRunner:
         """Bytes of weights this rank holds."""
         return self.model.weight_bytes()
 
+    def stage_clock(self) -> dict:
+        """Where this rank's time went (parallel.StageClock), with its busy time."""
+        clock = self.stage.clock
+        return {**dataclasses.asdict(clock), "busy_s": clock.busy_s}
+
     def small_step_copy_bytes(self) -> int:
         """Bytes of this rank's small-step copies of linear weights, tiles or strips (within ``weight_bytes``)."""
         return self.model.small_step_copy_bytes()
@@ -221,6 +227,14 @@ class ModelRunner:
         ``batch.logits_rows()``, on the last stage's first rank (None on other ranks: an earlier stage sends its
         hidden states on). ``previous``: the token picks of the step before, on the device, where
         ``batch.placeholders`` takes tokens from (async scheduling)."""
+        started = time.perf_counter()
+        try:
+            return self._execute(batch, previous)
+        finally:
+            self.stage.clock.steps += 1
+            self.stage.clock.step_s += time.perf_counter() - started
+
+    def _execute(self, batch: Batch, previous: torch.Tensor | None) -> torch.Tensor | None:
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
         if self.graphs is not None and self.graphs.can_run(batch):

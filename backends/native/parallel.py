@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,20 @@ class Outbox:
 
 
 @dataclass
+class StageClock:
+    """Where a rank's time went since it started, for the pipeline's profile (``ModelRunner.stage_clock``)."""
+
+    steps: int = 0
+    step_s: float = 0.0  # inside its steps, waits for the previous stage included
+    waiting_s: float = 0.0  # for the previous stage's hidden states (its work, the transfer, the bubble)
+    sent_bytes: int = 0
+
+    @property
+    def busy_s(self) -> float:
+        return self.step_s - self.waiting_s
+
+
+@dataclass
 class PipelineStage:
     """Which layers a rank's stage runs, and its neighbours in the pipeline (global ranks)."""
 
@@ -158,6 +173,7 @@ class PipelineStage:
     previous_rank: int | None = None  # the previous stage's rank of the same tensor-parallel rank
     next_rank: int | None = None
     outbox: Outbox = field(default_factory=Outbox, repr=False)
+    clock: StageClock = field(default_factory=StageClock, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -172,12 +188,15 @@ class PipelineStage:
         adding zeros changes no value) of this stage's rows to the next stage."""
         both = torch.stack([x, torch.zeros_like(x) if residual is None else residual])
         self.outbox.send([both.contiguous()], self.next_rank)
+        self.clock.sent_bytes += both.numel() * both.element_size()
 
     def receive(self, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's hidden states and residual stream of a step of ``rows`` tokens."""
         both = torch.empty(2, rows, hidden_size, dtype=dtype, device=device)
+        started = time.perf_counter()
         dist.recv(both, self.previous_rank)
+        self.clock.waiting_s += time.perf_counter() - started
         return both[0], both[1]
 
 

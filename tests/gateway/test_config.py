@@ -202,3 +202,13 @@ def test_resilience_settings_are_read_under_their_earlier_name_router_too():
 def test_a_drain_grace_window_longer_than_its_deadline_is_refused():
     with pytest.raises(ValueError, match="drain_grace_s must be shorter than drain_timeout_s"):
         Settings(server={"drain_grace_s": 30, "drain_timeout_s": 10})
+
+
+def test_two_native_engines_split_over_ranks_in_one_process_are_refused(tmp_path):
+    path = tmp_path / "split.yaml"
+    path.write_text("models: [{name: a, deployments: [{tensor_parallel_size: 2}]},"
+                    " {name: b, deployments: [{pipeline_parallel_size: 2}]}]")
+    with pytest.raises(ValueError, match="at most one native engine split over ranks"):
+        load_settings(path)
+    path.write_text("models: [{name: a, deployments: [{tensor_parallel_size: 2}]}, {name: b, deployments: [{}]}]")
+    assert len(load_settings(path).models) == 2  # one split engine beside a whole one is fine
