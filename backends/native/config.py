@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.tool_calls import ToolParserName
 
@@ -122,6 +122,13 @@ class EngineConfig(BaseModel):
         if partition is not None and min(partition, default=0) < 1:
             raise ValueError(f"every pipeline stage needs at least one layer, got {partition}")
         return partition
+
+    @model_validator(mode="after")
+    def _simulated_replicas_run_no_ranks(self) -> EngineConfig:
+        if self.simulate is not None and (self.pipeline_parallel_size > 1 or self.distributed_executor_backend != "mp"):
+            raise ValueError("a simulated replica runs no ranks: it models tensor parallelism (tensor_parallel_size), "
+                             "not pipeline_parallel_size or distributed_executor_backend")
+        return self
 
     @property
     def world_size(self) -> int:

@@ -145,3 +145,10 @@ def test_a_split_that_does_not_fit_the_model_is_refused_before_any_rank_starts(t
 def test_a_stage_without_layers_is_refused_where_the_config_is_read():
     with pytest.raises(ValueError, match="at least one layer"):
         EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=[5, 0])
+
+
+def test_a_simulated_replica_refuses_pipeline_settings_it_would_not_model():
+    with pytest.raises(ValueError, match="runs no ranks"):
+        EngineConfig(simulate={"profile": "h100"}, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="runs no ranks"):
+        EngineConfig(simulate={"profile": "h100"}, distributed_executor_backend="ray")
