@@ -367,8 +367,9 @@ class LLMEngine:
                 "num_threads": torch.get_num_threads(),  # as the process was prepared (process.py)
                 "dtype": str(runner.dtype).removeprefix("torch."), "num_blocks": self.blocks.num_blocks,
                 "block_size": self.blocks.block_size,
-                "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(
-                    self.model_config, self.blocks.block_size, runner.kv_dtype, self.config.tensor_parallel_size),
+                "kv_cache_bytes": self.blocks.num_blocks * kv_bytes_per_block(  # the engine process's rank's
+                    self.model_config, self.blocks.block_size, runner.kv_dtype, self.config.tensor_parallel_size,
+                    runner.num_layers),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here

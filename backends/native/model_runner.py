@@ -104,6 +104,7 @@ class ModelRunner:
         self.pad_rows = any(m.packed_weights() for m in self.model.modules() if isinstance(m, Linear))
         if self.pad_rows and config.warmup:
             warm_up_linears(self.model, config.max_num_batched_tokens, config.max_num_seqs)
+        self.num_layers = len(self.model.layers)  # this rank's stage's
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs = None  # a graph replays the whole model: one pipeline stage only
         if (self.device.type == "cuda" and not config.enforce_eager and self.kernels.attention.supports_graphs

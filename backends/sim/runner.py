@@ -67,6 +67,7 @@ class SimulatedRunner:
         self.dtype = torch_dtype_named(profile.dtype if config.dtype == "auto" else config.dtype)
         self.kv_dtype = config.torch_kv_cache_dtype(self.dtype)
         self.block_size = config.block_size or profile.block_size
+        self.num_layers = model.num_layers  # every layer: a simulated replica runs no pipeline stages
         tp = config.tensor_parallel_size
         self.cost = StepCost.of(model, self.dtype.itemsize, self.kv_dtype.itemsize, tp)
         self.step_time = StepTimeModel(profile, self.cost)

@@ -19,6 +19,7 @@ import torch
 from backends.base import SamplingParams
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
+from backends.native.model_runner import kv_bytes_per_block
 from backends.native.parallel import stage_layers
 from tests.backends.native.reference import LONG_CONTEXT
 from tests.backends.native.splits import rank_weight_bytes
@@ -90,6 +91,9 @@ def test_every_split_serves_the_same_tokens_each_rank_holding_only_its_layers(ti
         copies = engine.runner.call("small_step_copy_bytes")  # a second copy for small steps (linear.py)
         held_once = [b - c for b, c in zip(per_rank, copies)]
         assert all(abs(b - e) <= 0.01 * e for b, e in zip(held_once, expected, strict=True)), (held_once, expected)
+        # /info's KV bytes are the engine process's rank's: the last stage's layers
+        assert engine.settings()["kv_cache_bytes"] == engine.blocks.num_blocks * kv_bytes_per_block(
+            engine.model_config, 16, torch.float32, tp, len(layers[-1]))
         assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks
     finally:
         engine.close()
