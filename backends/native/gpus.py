@@ -22,6 +22,10 @@ class Interconnect:
             return 0.0
         return self.latency_us * 1e-6 + 2 * (ranks - 1) / ranks * size_bytes / (self.bandwidth_gbs * 1e9)
 
+    def gather_s(self, size_bytes: float, ranks: int) -> float:
+        """Seconds to gather every other rank's ``size_bytes`` on one of ``ranks`` GPUs (its link takes them all)."""
+        return self.latency_us * 1e-6 + (ranks - 1) * size_bytes / (self.bandwidth_gbs * 1e9)
+
     def send_s(self, size_bytes: float) -> float:
         """Seconds to send ``size_bytes`` from one GPU to another (a pipeline stage's hidden states)."""
         return self.latency_us * 1e-6 + size_bytes / (self.bandwidth_gbs * 1e9)

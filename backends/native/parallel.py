@@ -126,27 +126,29 @@ class TensorParallel:
 
 
 class Outbox:
-    """Sends that have not completed yet, with the tensors they read (which must live until then)."""
+    """Sends under way, with the tensors they read (which must live until they complete). A gloo send says it
+    completed only once waited for, so the oldest are waited for beyond ``limit``: by then their receivers, which
+    take messages in order, have long had them."""
 
-    def __init__(self) -> None:
-        self._pending: deque[tuple[Any, list[torch.Tensor]]] = deque()
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self.pending: deque[tuple[list[Any], list[torch.Tensor]]] = deque()
 
     def send(self, tensors: list[torch.Tensor], dst: int, group: Any = None) -> None:
-        """Start sending ``tensors`` in order to global rank ``dst``; returns before the receiver has them."""
-        self._pending.append(([dist.isend(t, dst, group=group) for t in tensors], tensors))
-        self.reap()
-
-    def reap(self) -> None:
-        """Forget the sends that completed (raises if one failed: the receiver died)."""
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
-            for work in self._pending.popleft()[0]:
-                work.wait()
+        """Start sending ``tensors`` in order to global rank ``dst``; returns before the receiver has them (raises
+        if an earlier send waited for failed: its receiver died)."""
+        self.pending.append(([dist.isend(t, dst, group=group) for t in tensors], tensors))
+        while len(self.pending) > self.limit:
+            self._wait_oldest()
 
     def flush(self) -> None:
         """Wait for every send."""
-        while self._pending:
-            for work in self._pending.popleft()[0]:
-                work.wait()
+        while self.pending:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        for work in self.pending.popleft()[0]:
+            work.wait()
 
 
 @dataclass
@@ -222,14 +224,17 @@ class Rank:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp_size * pp_size,
                                 timeout=timeout)
-        control = dist.new_group(backend="gloo", timeout=timeout)  # every rank creates every group, in order
+        # every rank creates every group, in order; a worker waits on the control group for the next step as long as
+        # the engine is idle (a dead peer is seen by its closed connection, not by this timeout)
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timeout)
                   for s in range(pp_size)] if pp_size > 1 else [None]
         index, tp_rank = divmod(rank, tp_size)
-        stage = PipelineStage(index, pp_size, layers[index],
-                              rank - tp_size if index > 0 else None, rank + tp_size if index < pp_size - 1 else None)
+        # up to pp batches in flight: as many hidden states on their way to the next stage, as many posts to each rank
+        stage = PipelineStage(index, pp_size, layers[index], rank - tp_size if index > 0 else None,
+                              rank + tp_size if index < pp_size - 1 else None, Outbox(limit=pp_size + 2))
         return cls(rank, tp_size * pp_size, (pp_size - 1) * tp_size, TensorParallel(tp_rank, tp_size, groups[index]),
-                   stage, control)
+                   stage, control, Outbox(limit=tp_size * pp_size * (pp_size + 2)))
 
     def leave(self) -> None:
         if self.size > 1 and dist.is_initialized():
@@ -242,8 +247,14 @@ class Rank:
     # ------------------------------------------------------------------------ driver's messages
     def post(self, obj: Any, dst: int) -> None:
         """Send ``obj`` (pickled) to rank ``dst`` without waiting for it to be received."""
+        self.post_all(obj, [dst])
+
+    def post_all(self, obj: Any, ranks: list[int]) -> None:
+        """Send ``obj``, pickled once, to every one of ``ranks`` without waiting for them to receive it."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.outbox.send([torch.tensor([data.numel()], dtype=torch.int64), data], dst, group=self.control)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        for dst in ranks:
+            self.outbox.send([size, data], dst, group=self.control)
 
     def receive_object(self, src: int) -> Any:
         """The next object rank ``src`` posted to this rank (waits for it)."""

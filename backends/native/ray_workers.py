@@ -3,8 +3,10 @@ span several machines.
 
 The engine's process joins the cluster as a driver (``ray.init``: the cluster named by ``RAY_ADDRESS``, as
 Ray's own tools read it, else a local one), reserves one bundle per rank in a placement group (a GPU, or a CPU,
-each; PACK: as few nodes as hold them, as vLLM does; the driver's own bundle on its node), and starts one actor
-per other rank in its bundle. The actors run ``workers.run_rank``: from there on they are ranks like any, meeting
+each; PACK: as few nodes as hold them, as vLLM does; the driver's own bundle on its node, its GPU the one Ray gives
+a placeholder actor there), and starts one actor per other rank in a bundle: the driver's stage's ranks on the
+driver's node first, then each earlier stage's, node by node, so that a tensor-parallel group shares a node
+wherever the nodes' sizes allow and only stage-to-stage sends cross between nodes. The actors run ``workers.run_rank``: from there on they are ranks like any, meeting
 the driver's process group at its node's address. A dead actor ends its ``run`` call, which is how the driver
 sees it (``dead``).
 """
@@ -32,7 +34,12 @@ def driver_host() -> str:
 
 
 class RankActor:
-    """One rank in a Ray worker process."""
+    """One rank in a Ray worker process (or the placeholder holding the driver's GPU)."""
+
+    def gpu_ids(self) -> list[int]:
+        import ray
+
+        return [int(i) for i in ray.get_gpu_ids()]
 
     def node_id(self) -> str:
         import ray
@@ -61,11 +68,21 @@ class RayWorkers:
             raise RuntimeError(f"the Ray cluster has no room for {len(specs) + 1} ranks of {resource} each "
                                f"(available: {ray.available_resources()})")
         actor = ray.remote(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)(RankActor)
-        self.actors = [actor.options(name=f"native-rank-{spec.rank}-{id(self):x}", scheduling_strategy=(
-            PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i + 1))).remote()
-            for i, spec in enumerate(specs)]
+
+        def in_bundle(index: int):
+            return actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index)).remote()
+
+        self.placeholder = in_bundle(0) if gpu else None
+        # the GPU of the driver's bundle, which the engine's process runs on (None on CPU)
+        self.driver_gpu = ray.get(self.placeholder.gpu_ids.remote())[0] if gpu else None
+        nodes = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
+        bundles = sorted(range(1, len(specs) + 1), key=lambda b: (nodes[b] != nodes[0], nodes[b]))
+        tp = config.tensor_parallel_size
+        specs = sorted(specs, key=lambda s: (-(s.rank // tp), s.rank))  # the driver's stage first, then earlier ones
+        self.actors = [in_bundle(b) for b in bundles]
         self.names = [f"native-rank-{spec.rank}" for spec in specs]
-        self.nodes = ray.get([a.node_id.remote() for a in self.actors])  # the Ray node of each rank, in rank order
+        self.nodes = ray.get([a.node_id.remote() for a in self.actors])  # the Ray node of each rank, as in names
         self.runs = [a.run.remote(spec) for a, spec in zip(self.actors, specs)]
 
     def dead(self) -> list[str]:
@@ -83,6 +100,6 @@ class RayWorkers:
         import ray
 
         ray.wait(self.runs, num_returns=len(self.runs), timeout=10)
-        for actor in self.actors:
+        for actor in [*self.actors, *([self.placeholder] if self.placeholder else [])]:
             ray.kill(actor)
         ray.util.remove_placement_group(self.group)

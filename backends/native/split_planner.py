@@ -214,8 +214,8 @@ class _StepModel:
         busy = max(flops / (self.gpu.bf16_tflops * 1e12), memory / (self.gpu.bandwidth_gbs * 1e9))
         hidden = tokens * h * itemsize
         all_reduce = (2 * s.layers + s.first) * self.tp_link.all_reduce_s(hidden, self.tp)
-        if s.last and self.tp > 1:  # the logits gathered on the first rank: half an all-reduce's traffic
-            all_reduce += self.tp_link.all_reduce_s(sampled * -(-cfg.vocab_size // self.tp) * 4, self.tp) / 2
+        if s.last and self.tp > 1:  # the logits gathered on the first rank: every other rank's fp32 slice into it
+            all_reduce += self.tp_link.gather_s(sampled * -(-cfg.vocab_size // self.tp) * 4, self.tp)
         send = s.send.send_s(2 * hidden) if s.send is not None else 0.0  # hidden states and residual stream
         return _Cost(busy + all_reduce + send, all_reduce, send)
 

@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import socket
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,6 +58,8 @@ class RankSpec:
 
 class Workers(Protocol):
     """The ranks beyond the driver, wherever they run."""
+
+    driver_gpu: int | None  # the CUDA device the executor reserved for the driver, where it chooses one
 
     def dead(self) -> list[str]:
         """The names of the ranks that stopped."""
@@ -115,6 +118,8 @@ class ParallelRunner:
                           str(devices[r])) for r in range(world) if r != driver]
         self.workers: Workers = RayWorkers(specs, config) if config.distributed_executor_backend == "ray" \
             else ProcessWorkers(specs)
+        if self.workers.driver_gpu is not None:
+            devices[driver] = torch.device("cuda", self.workers.driver_gpu)
         try:
             self.rank = Rank.join(driver, config, layers, init_method, devices[driver], TIMEOUT_S)
             self.local = ModelRunner(config, checkpoint, max_model_len, self.rank, devices[driver])
@@ -122,6 +127,7 @@ class ParallelRunner:
             self.workers.stop()
             raise
         self._in_flight: deque[Batch] = deque()
+        self._broken: str | None = None  # why no step can run any more: a step failed half-way through the ranks
         log.info("model parallel: %d ranks (tensor %d x pipeline %d, layers per stage %s) on %s", world, tp_size,
                  config.pipeline_parallel_size, config.pipeline_layer_partition, config.distributed_executor_backend)
 
@@ -132,13 +138,14 @@ class ParallelRunner:
     def launch(self, batch: Batch) -> None:
         """Start a step on every rank; its logits come from ``finish`` (steps finish in launch order)."""
         self._check_alive()
-        for rank in self._others():
-            self.rank.post(batch, rank)
+        with self._breaks_on_error():
+            self.rank.post_all(batch, self._others())
         self._in_flight.append(batch)
 
     def finish(self) -> torch.Tensor:
         """The oldest launched step's logits, once the earlier stages' hidden states reach the driver's."""
-        return self.local.execute(self._in_flight.popleft())
+        with self._breaks_on_error():
+            return self.local.execute(self._in_flight.popleft())
 
     def execute(self, batch: Batch) -> torch.Tensor:
         self.launch(batch)
@@ -149,20 +156,20 @@ class ParallelRunner:
         be in flight."""
         assert not self._in_flight, "a query between launched steps"
         self._check_alive()
-        for rank in self._others():
-            self.rank.post(method, rank)
+        self.rank.post_all(method, self._others())
         return [getattr(self.local, method)() if r == self.rank.rank else self.rank.receive_object(r)
                 for r in range(self.rank.size)]
 
     @property
     def alive(self) -> bool:
-        return not self.workers.dead()
+        return self._broken is None and not self.workers.dead()
 
     def close(self) -> None:
         if self.alive:
             with contextlib.suppress(RuntimeError):  # a rank died meanwhile: stop() ends the others
-                for rank in self._others():
-                    self.rank.post(_STOP, rank)
+                while self._in_flight:  # the stages before finish what they started, then hear stop
+                    self.finish()
+                self.rank.post_all(_STOP, self._others())
                 self.rank.outbox.flush()
         self.workers.stop()
         self.rank.leave()
@@ -171,21 +178,33 @@ class ParallelRunner:
         return [r for r in range(self.rank.size) if r != self.rank.rank]
 
     def _check_alive(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the model's ranks are out of step since a failed step ({self._broken})")
         dead = self.workers.dead()
         if dead:
             raise RuntimeError(f"model-parallel rank(s) {', '.join(dead)} died")
 
+    @contextlib.contextmanager
+    def _breaks_on_error(self) -> Iterator[None]:
+        """A step that fails part-way leaves the ranks out of step (a stage's hidden states unread): nothing may
+        run after it, so the deployment reports unhealthy."""
+        try:
+            yield
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r runs on the r-th CUDA device after the configured one (on Ray: the GPU Ray gives its actor), or on
-    the CPU."""
+    """The engine's process (the driver) runs on the configured device, the r-th rank after it on the r-th CUDA
+    device after that one (on Ray: the GPU Ray gives its actor); or every rank on the CPU."""
     device = config.torch_device()
-    if device.type != "cuda":
+    driver = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+    if device.type != "cuda" or rank == driver:
         return device
     if config.distributed_executor_backend == "ray":
-        return device if rank == (config.pipeline_parallel_size - 1) * config.tensor_parallel_size \
-            else torch.device("cuda", 0)
-    index = (device.index or 0) + rank
+        return torch.device("cuda", 0)
+    index = (device.index or 0) + (rank - driver) % config.world_size
     if index >= torch.cuda.device_count():
         raise ValueError(f"{config.world_size} ranks (tensor x pipeline parallel) need CUDA devices "
                          f"{device.index or 0}..{(device.index or 0) + config.world_size - 1}; this machine has "
@@ -195,6 +214,8 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 class ProcessWorkers:
     """Ranks as processes of this machine (``distributed_executor_backend: mp``)."""
+
+    driver_gpu = None  # the driver runs on the configured device
 
     def __init__(self, specs: list[RankSpec]) -> None:
         context = mp.get_context("spawn")  # a fresh interpreter: no copied torch threads or CUDA state

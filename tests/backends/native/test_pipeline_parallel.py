@@ -119,8 +119,28 @@ def test_stages_keep_several_batches_of_different_sequences_in_flight(tiny_llama
         assert max(in_flight) == 1  # two batches at once: one per stage, never more
         assert in_flight.count(1) > len(in_flight) / 3
         assert not any(overlaps)
+        outbox = engine.runner.rank.outbox  # each step's batch posted to the other rank: sends waited for, not kept
+        assert 0 < len(outbox.pending) <= outbox.limit < len(in_flight)
     finally:
         engine.close()
+
+
+def test_a_step_that_fails_part_way_stops_the_engine_rather_than_run_out_of_step(tiny_llama, smollm2_tokenizer,
+                                                                                 prompts):
+    engine = _engine(tiny_llama, smollm2_tokenizer, pipeline_parallel_size=2)
+    try:
+        def fail(*args):
+            raise MemoryError("no memory for the step's metadata")
+
+        engine.runner.local.kernels.attention.build = fail  # before the driver reads stage 0's hidden states
+        with pytest.raises(MemoryError):
+            _greedy(engine, prompts[:2])
+        assert not engine.alive  # stage 0's hidden states of that step are unread: nothing may run after it
+        with pytest.raises(RuntimeError, match="out of step since a failed step"):
+            engine.runner.execute(engine.scheduler.schedule().batch)
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()
 
 
 def test_layer_partitions_follow_vllm():

@@ -33,6 +33,7 @@ def test_a_ring_all_reduce_and_a_send_cost_their_link_time():
     assert link.all_reduce_s(1e6, 8) == pytest.approx(30e-6 + 2 * 7 / 8 * 1e6 / 16e9)
     assert link.all_reduce_s(1e6, 1) == 0
     assert link.send_s(1e6) == pytest.approx(30e-6 + 1e6 / 16e9)
+    assert link.gather_s(1e6, 8) == pytest.approx(30e-6 + 7 * 1e6 / 16e9)  # 7 ranks' slices into one link
 
 
 def test_the_seed_studys_13x_between_llama2_70b_and_7b_on_rtx4090s_without_p2p():
