@@ -176,3 +176,45 @@ def test_a_simulated_replica_refuses_pipeline_settings_it_would_not_model():
         EngineConfig(simulate={"profile": "h100"}, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="runs no ranks"):
         EngineConfig(simulate={"profile": "h100"}, distributed_executor_backend="ray")
+
+
+def test_with_batches_in_flight_host_side_sampling_and_aborts_behave_as_in_one_process(tiny_llama, smollm2_tokenizer,
+                                                                                       prompts):
+    """Parallel samples (forks joining after their prompt), seeded sampling, logprobs and prompt logprobs, penalties
+    (which read every token on the host): the same as one process; requests aborted while their batch is in flight
+    leave nothing behind and change no other request's tokens."""
+    params = [SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2),
+              SamplingParams(max_tokens=8, temperature=0.0, logprobs=3),
+              SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5)]
+    chosen = [prompts[4], prompts[0], prompts[6], prompts[9]]
+    single = _engine(tiny_llama, smollm2_tokenizer)
+    one = single.generate(chosen, params)
+    engine = _engine(tiny_llama, smollm2_tokenizer, pipeline_parallel_size=2)
+    try:
+        split = engine.generate(chosen, params)
+        assert [o.token_ids for o in split] == [o.token_ids for o in one]
+        assert [[(t.token, round(t.logprob, 4)) for t in o.logprobs] for o in split[3:4]] == \
+            [[(t.token, round(t.logprob, 4)) for t in o.logprobs] for o in one[3:4]]
+        first, again = one[2].prompt_logprobs[1:], split[2].prompt_logprobs[1:]
+        assert [t.logprob for t in again] == pytest.approx([t.logprob for t in first], abs=1e-4)
+
+        greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts[:6]):
+            engine.add_request(f"r{i}", prompt, greedy)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(6)}
+        for _ in range(3):
+            for rid, chunk in engine.step():
+                tokens[rid] += chunk.token_ids
+        assert engine._pipeline  # batches are in flight
+        for rid in ("r1", "r4"):
+            engine.abort_request(rid)
+        while engine.has_unfinished():
+            for rid, chunk in engine.step():
+                tokens[rid] += chunk.token_ids
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine._busy
+        kept = [0, 2, 3, 5]
+        alone = single.generate([prompts[i] for i in kept], greedy)
+        assert [tokens[f"r{i}"] for i in kept] == [o.token_ids for o in alone]
+    finally:
+        engine.close()
