@@ -24,7 +24,6 @@ from backends.base import SamplingParams
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
 from tests.backends.native.splits import assert_losing_a_rank_fails_requests_and_health
-from tests.backends.native.test_pipeline_parallel import tiny_llama  # noqa: F401 (a fixture)
 from tests.servers import burstgate_serve, free_port
 
 RAY = Path(sys.executable).parent / "ray"
@@ -46,7 +45,7 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def split_over_ray(ray_cluster, tiny_llama, tmp_path_factory):  # noqa: F811 (the fixture imported above)
+def split_over_ray(ray_cluster, tiny_llama, tmp_path_factory):
     config = tmp_path_factory.mktemp("ray") / "burstgate.yaml"
     config.write_text(f"""
 resilience: {{health_interval_s: 0.2}}
@@ -76,7 +75,7 @@ def _nodes_of(pids: list[int]) -> set[str]:
     return {Path(f"/proc/{pid}/stat").read_text().split()[3] for pid in pids}
 
 
-def test_a_model_split_over_two_ray_nodes_serves_the_tokens_of_one_process(split_over_ray, tiny_llama,  # noqa: F811
+def test_a_model_split_over_two_ray_nodes_serves_the_tokens_of_one_process(split_over_ray, tiny_llama,
                                                                           smollm2_tokenizer):
     actors = _rank_actors()
     assert len(actors) == 3 and len(_nodes_of(actors)) == 2  # three ranks beside the driver, on both nodes
