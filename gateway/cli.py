@@ -16,15 +16,36 @@ from backends.native.config import EngineConfig
 from backends.native.gpus import GPUS, INTERCONNECTS
 from backends.sim.cli import app as sim_app
 from gateway.access_log import LogFormat, configure_logging
+from gateway.cli_help import HelpCommand, HelpGroup
 from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, Settings, load_settings
 from loadtest.cli import app as loadtest_app
 
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
-                  no_args_is_help=True, add_completion=False)
-app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.")
-app.add_typer(sim_app, name="sim", help="Simulated replicas: device profiles fitted on measured steps, fleets on a "
-                                         "virtual clock.")
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup, epilog="""
+burstgate serve                      # SmolLM2 at http://127.0.0.1:8000
+burstgate serve --config gateway.yaml   # your vLLM / TGI / native fleet
+burstgate loadtest run --url http://127.0.0.1:8000 \\
+    --model SmolLM2-135M-Instruct --preset paper
+burstgate plan --model configs/llama-12.3b-gqa.json --gpu h100
+
+Each command's options and examples: burstgate COMMAND --help
+""")
+app.add_typer(loadtest_app, name="loadtest", help="Burst-mode load tests, side by side across backends.",
+              epilog="""
+burstgate loadtest run --url http://127.0.0.1:8000 --model smollm2 \\
+    --preset paper
+burstgate loadtest report --out report/
+burstgate loadtest recommend
+""")
+app.add_typer(sim_app, name="sim", help="Simulated replicas: device profiles, fleets on a virtual clock.", epilog="""
+burstgate sim profiles
+burstgate sim run --model configs/llama-12.3b-gqa.json --replicas 8
+""")
 log = logging.getLogger("burstgate")
+
+# The sections of `serve --help` and `plan --help`.
+SERVER, ENGINE, PARALLEL, TLS = "Server", "Engine (--model or the embedded model)", "Parallelism", "HTTPS"
+MODEL_GPU, SPLIT, SLO = "Model and GPU", "Splitting over --gpus N", "Replicas for an SLO (--slo)"
 
 _SERVE_ENV = "BURSTGATE_SERVE_OPTIONS"  # hands the parsed options to uvicorn worker processes (WorkerOptions)
 
@@ -156,59 +177,66 @@ def app_from_env():
     return create_app(Gateway.from_settings(options.settings()))
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+burstgate serve                          # SmolLM2-135M-Instruct, embedded
+burstgate serve --model ./Llama-3.2-1B-Instruct --dtype bfloat16
+burstgate serve --config gateway.yaml --workers 4 --log-format json
+burstgate serve --model ./llama-70b --tensor-parallel-size 2 \\
+    --pipeline-parallel-size 2 --distributed-executor-backend ray
+burstgate serve --simulate h100 --model configs/llama-12.3b-gqa.json
+""")
 def serve(
-    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8000,
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.", rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.", rich_help_panel=SERVER)] = 8000,
     config: Annotated[Path | None, typer.Option(help="YAML config (models, deployments, keys, limits).",
-                                                exists=True, dir_okay=False, metavar="FILE")] = None,
+                                                exists=True, dir_okay=False, metavar="FILE", rich_help_panel=SERVER)] = None,
     model: Annotated[Path | None, typer.Option(metavar="PATH",
-                                               help="Serve this local model (HF dir or .gguf) on the native engine.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(metavar="NAME", help="Public name for --model.")] = None,
-    backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).")] = BackendKind.native,
+                                               help="Serve this local model (HF dir or .gguf) on the native engine.", rich_help_panel=ENGINE)] = None,
+    served_model_name: Annotated[str | None, typer.Option(metavar="NAME", help="Public name for --model.", rich_help_panel=ENGINE)] = None,
+    backend: Annotated[BackendKind, typer.Option(help="In-process engine for --model (or the embedded model).", rich_help_panel=ENGINE)] = BackendKind.native,
     dtype: Annotated[Dtype | None, typer.Option(help="In-process engine dtype (auto: bf16 where the hardware "
-                                                "computes in it, else float32).")] = None,
+                                                "computes in it, else float32).", rich_help_panel=ENGINE)] = None,
     device: Annotated[str | None, typer.Option(metavar="DEVICE", help="Native engine device: auto (CUDA when "
-                                               "present), cpu, cuda or cuda:N.")] = None,
+                                               "present), cpu, cuda or cuda:N.", rich_help_panel=ENGINE)] = None,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
-                                                             "model across N processes (GPUs on CUDA).")] = None,
+                                                             "model across N processes (GPUs on CUDA).", rich_help_panel=PARALLEL)] = None,
     pipeline_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="Split the native engine's "
                                                                "layers into N stages, each on its own ranks "
                                                                "(vLLM's flag; uneven stages: "
-                                                               "VLLM_PP_LAYER_PARTITION).")] = None,
+                                                               "VLLM_PP_LAYER_PARTITION).", rich_help_panel=PARALLEL)] = None,
     distributed_executor_backend: Annotated[ExecutorBackend | None, typer.Option(
         help="Where the native engine's other ranks run: mp, processes of this machine; ray, actors of the Ray "
-             "cluster at RAY_ADDRESS, across its nodes (vLLM's flag).")] = None,
+             "cluster at RAY_ADDRESS, across its nodes (vLLM's flag).", rich_help_panel=PARALLEL)] = None,
     quantization: Annotated[Quantization | None, typer.Option(help="Native engine weights: int8 (weight-only, a "
                                                               "scale per output channel; CPU) for decode-bound "
-                                                              "serving.")] = None,
+                                                              "serving.", rich_help_panel=ENGINE)] = None,
     kv_cache_dtype: Annotated[KvCacheDtype | None, typer.Option(help="Native engine KV cache: auto (the model's "
                                                                 "dtype), or fp8 (e4m3) / fp8_e5m2, one byte per "
-                                                                "value (CPU), as vLLM's --kv-cache-dtype.")] = None,
+                                                                "value (CPU), as vLLM's --kv-cache-dtype.", rich_help_panel=ENGINE)] = None,
     block_size: Annotated[int | None, typer.Option(min=1, max=64, metavar="TOKENS", help="Native engine tokens per "
                                                    "KV block (default: 64 on CPU, 16 on CUDA), as vLLM's "
-                                                   "--block-size.")] = None,
+                                                   "--block-size.", rich_help_panel=ENGINE)] = None,
     simulate: Annotated[str | None, typer.Option(metavar="PROFILE", help="A simulated replica: the native engine's "
                                                  "scheduler with no model, each step the time this device profile "
                                                  "models (h100, h200, a GPU type, or a profile file; "
-                                                 "`burstgate sim profiles`).")] = None,
-    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).")] = 1,
+                                                 "`burstgate sim profiles`).", rich_help_panel=ENGINE)] = None,
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Worker processes (each loads its own engines).", rich_help_panel=SERVER)] = 1,
     otlp_traces_endpoint: Annotated[str | None, typer.Option(metavar="URL", help="Export OpenTelemetry traces of "
                                                              "each request over OTLP (http://collector:4318/v1/traces;"
-                                                             " vLLM's flag). Off by default.")] = None,
+                                                             " vLLM's flag). Off by default.", rich_help_panel=SERVER)] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
-                                                     "the server's private key (PEM), with --ssl-certfile.")] = None,
+                                                     "the server's private key (PEM), with --ssl-certfile.", rich_help_panel=TLS)] = None,
     ssl_certfile: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Serve HTTPS: "
-                                                      "the server's certificate chain (PEM).")] = None,
+                                                      "the server's certificate chain (PEM).", rich_help_panel=TLS)] = None,
     ssl_ca_certs: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="The CAs that "
                                                       "sign client certificates (mutual TLS, with "
-                                                      "--ssl-cert-reqs).")] = None,
+                                                      "--ssl-cert-reqs).", rich_help_panel=TLS)] = None,
     ssl_cert_reqs: Annotated[int, typer.Option(min=0, max=2, metavar="N", help="Client certificates: 0 not asked "
                                                "for, 1 checked when given, 2 required (Python's ssl.CERT_*, as "
-                                               "uvicorn's and vLLM's flag).")] = 0,
-    log_level: Annotated[LogLevel, typer.Option(help="Logging level.")] = LogLevel.info,
+                                               "uvicorn's and vLLM's flag).", rich_help_panel=TLS)] = 0,
+    log_level: Annotated[LogLevel, typer.Option(help="Logging level.", rich_help_panel=SERVER)] = LogLevel.info,
     log_format: Annotated[LogFormat, typer.Option(help="text, or json: one object per line (access lines "
-                                                  "included), with the request's X-Request-Id.")] = "text",
+                                                  "included), with the request's X-Request-Id.", rich_help_panel=SERVER)] = "text",
 ) -> None:
     """Start the gateway. With no options: SmolLM2-135M-Instruct on the native engine, in-process."""
     import uvicorn
@@ -286,45 +314,59 @@ class PlanDtype(StrEnum):
     float16 = "float16"
 
 
-@app.command()
+@app.command(cls=HelpCommand, short_help="What fits where, how to split a model over GPUs, how many replicas for an "
+             "SLO.", epilog="""
+# what fits where: weights, KV capacity, roofline decode speed
+burstgate plan --model configs/llama-12.3b-gqa.json --gpu h100 --gpu rtx4090
+
+# how to split a 70B model over 8 GPUs without peer-to-peer
+burstgate plan --model configs/llama-2-70b.json --gpu rtx4090 --gpus 8 \\
+    --interconnect pcie4-no-p2p
+
+# the fewest replicas that serve 20 req/s within both SLOs
+burstgate plan --model configs/llama-12.3b-gqa.json --gpu h100 --rate 20 \\
+    --slo ttft_p99_ms=2000 --slo tpot_p99_ms=100 --plot replicas.png
+""")
 def plan(
     model: Annotated[Path, typer.Option(exists=True, metavar="PATH",
-                                        help="HF directory, .gguf or config.json (only the config is read).")],
-    gpu: Annotated[list[GpuName], typer.Option(metavar="GPU", help=f"GPU type, one of {'|'.join(GPUS)} (datasheet "
-                                               "memory, bandwidth and bf16 peak); repeat to compare types.")],
-    dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.")] = PlanDtype.bfloat16,
+                                        help="HF directory, .gguf or config.json (only the config is read).", rich_help_panel=MODEL_GPU)],
+    gpu: Annotated[list[GpuName], typer.Option(metavar="GPU", help=f"GPU type, one of {', '.join(GPUS)} (datasheet "
+                                               "memory, bandwidth and bf16 peak); repeat to compare types.", rich_help_panel=MODEL_GPU)],
+    dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.", rich_help_panel=MODEL_GPU)] = PlanDtype.bfloat16,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="GPUs per model; default: "
-                                                             "the fewest that fit.")] = None,
-    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per sequence.")] = 512,
-    output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens per sequence.")] = 128,
+                                                             "the fewest that fit.", rich_help_panel=MODEL_GPU)] = None,
+    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per sequence.", rich_help_panel=MODEL_GPU)] = 512,
+    output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens per sequence.", rich_help_panel=MODEL_GPU)] = 128,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, metavar="X",
-                                                          help="Share of each GPU the engine takes.")] = 0.9,
-    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="The engine's concurrency limit.")] = 256,
+                                                          help="Share of each GPU the engine takes.", rich_help_panel=MODEL_GPU)] = 0.9,
+    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="The engine's concurrency limit.", rich_help_panel=MODEL_GPU)] = 256,
     slo: Annotated[list[str] | None, typer.Option(metavar="METRIC_STAT_ms=LIMIT", help="With it, the fewest replicas "
                                                   "that meet it, from simulated fleets (repeatable; e.g. "
-                                                  "ttft_p99_ms=2000, tpot_p99_ms=100).")] = None,
+                                                  "ttft_p99_ms=2000, tpot_p99_ms=100).", rich_help_panel=SLO)] = None,
     rate: Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="With --slo: the traffic's arrival "
-                                               "rate.")] = None,
+                                               "rate.", rich_help_panel=SLO)] = None,
     requests: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: requests simulated; with --gpus: "
-                                          "prompts in the burst.")] = 1000,
-    arrivals: Annotated[str, typer.Option(metavar="KIND", help="With --slo: poisson, constant or gamma.")] = "poisson",
+                                          "prompts in the burst.", rich_help_panel=MODEL_GPU)] = 1000,
+    arrivals: Annotated[str, typer.Option(metavar="KIND", help="With --slo: poisson, constant or gamma.", rich_help_panel=SLO)] = "poisson",
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: a "
-                                               "Mooncake-format trace as the traffic instead.")] = None,
+                                               "Mooncake-format trace as the traffic instead.", rich_help_panel=SLO)] = None,
     dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="With --slo: "
                                                  "prompts from a load-test dataset (JSONL, ShareGPT or Alpaca JSON), "
-                                                 "with its own output lengths, at --rate.")] = None,
-    routing: Annotated[str, typer.Option(metavar="POLICY", help="With --slo: the routing policy.")] = "cache_aware",
-    max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.")] = 64,
+                                                 "with its own output lengths, at --rate.", rich_help_panel=SLO)] = None,
+    routing: Annotated[str, typer.Option(metavar="POLICY", help="With --slo: the routing policy.", rich_help_panel=SLO)] = "cache_aware",
+    max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.", rich_help_panel=SLO)] = 64,
     plot: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE.png", help="With --slo: the curves "
-                                              "behind the answer as a chart.")] = None,
+                                              "behind the answer as a chart.", rich_help_panel=SLO)] = None,
     gpus: Annotated[int | None, typer.Option(min=1, metavar="N", help="How to split the model over N GPUs: every "
                                              "tensor x pipeline parallel layout and its burst time, the fastest "
-                                             "recommended.")] = None,
-    interconnect: Annotated[InterconnectName | None, typer.Option(help="With --gpus: how GPUs in a node are joined "
-                                                                  "(default: the GPU type's).")] = None,
-    network: Annotated[InterconnectName, typer.Option(help="With --gpus: how nodes are joined.")] = "ib-200g",
-    gpus_per_node: Annotated[int, typer.Option(min=1, metavar="N", help="With --gpus: GPUs in a node.")] = 8,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+                                             "recommended.", rich_help_panel=SPLIT)] = None,
+    interconnect: Annotated[InterconnectName | None, typer.Option(
+        metavar="LINK", help=f"With --gpus: how GPUs in a node are joined, one of {', '.join(INTERCONNECTS)} "
+        "(default: the GPU type's).", rich_help_panel=SPLIT)] = None,
+    network: Annotated[InterconnectName, typer.Option(metavar="LINK", help="With --gpus: how nodes are joined.",
+                                                      rich_help_panel=SPLIT)] = "ib-200g",
+    gpus_per_node: Annotated[int, typer.Option(min=1, metavar="N", help="With --gpus: GPUs in a node.", rich_help_panel=SPLIT)] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.", rich_help_panel=MODEL_GPU)] = False,
 ) -> None:
     """Memory and roofline speed of the native engine for a model on a GPU type: what fits where. With --gpus: how
     to split it over that many (tensor x pipeline parallel, per interconnect). With --slo: how many replicas of it

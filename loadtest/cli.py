@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backends.base import BackendError
+from gateway.cli_help import HelpCommand, HelpGroup
 from loadtest import report, store, sysmon
 from loadtest.client import RequestOptions, Target
 from loadtest.extras import MissingExtraError, require
@@ -24,8 +25,12 @@ from loadtest.runner import RunConfig, TargetResult, result_to_json
 from loadtest.schedule import Schedule, check
 from loadtest.session import CapacitySearch, Session, Workload, capacity_key, run_session, workload_key
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup)
 console = Console()
+
+# The sections of `loadtest run --help`.
+TARGETS, WORKLOAD, CONVERSATIONS, TRACES = "Targets", "Workload", "Multi-turn conversations", "Trace replay"
+ARRIVALS, CAPACITY, OUTPUT = "Arrivals and sweeps", "Goodput and capacity at an SLO", "Output"
 
 PAPER = {"requests": 1000, "input_len": "512", "schedule": Schedule.burst}  # arXiv 2311.03687
 
@@ -139,82 +144,100 @@ def _unused(ctx: typer.Context) -> str | None:
     return None
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+# the paper's burst (1000 prompts x 512 tokens at once) against one server
+burstgate loadtest run --url http://127.0.0.1:8000 \\
+    --model SmolLM2-135M-Instruct --preset paper --output-len 128
+
+# two servers side by side: a concurrency sweep, goodput under two SLOs
+burstgate loadtest run \\
+    --target native=http://127.0.0.1:8000#SmolLM2-135M-Instruct \\
+    --target vllm=http://127.0.0.1:8200#smollm2 \\
+    --sweep-concurrency 1,8,32 --goodput ttft:2000 --goodput tpot:100
+
+# the highest rate at which 90% of requests meet every SLO
+burstgate loadtest run --url http://127.0.0.1:8000 --model smollm2 \\
+    --capacity --goodput ttft:1000 --goodput tpot:50
+
+# a Mooncake trace replayed at twice its speed
+burstgate loadtest run --url http://127.0.0.1:8000 --model smollm2 \\
+    --trace mooncake.jsonl --time-scale 0.5
+""")
 def run(
     ctx: typer.Context,
-    url: Annotated[str | None, typer.Option(metavar="URL", help="Base URL shared by every --model.")] = None,
-    model: Annotated[list[str] | None, typer.Option(metavar="NAME", help="Model name at --url; repeat to compare several.")] = None,
+    url: Annotated[str | None, typer.Option(metavar="URL", help="Base URL shared by every --model.", rich_help_panel=TARGETS)] = None,
+    model: Annotated[list[str] | None, typer.Option(metavar="NAME", help="Model name at --url; repeat to compare several.", rich_help_panel=TARGETS)] = None,
     hardware: Annotated[str | None, typer.Option(
-        metavar="TEXT", help="The --url server's hardware, for the leaderboard (a burstgate server reports its own).")] = None,
+        metavar="TEXT", help="The --url server's hardware, for the leaderboard (a burstgate server reports its own).", rich_help_panel=TARGETS)] = None,
     target: Annotated[list[str] | None, typer.Option(
         metavar="[LABEL=]URL#MODEL[@HARDWARE]", help="A target; repeatable. LABEL names it in reports (default "
-        "MODEL@URL); HARDWARE declares the server's, for servers without burstgate's GET /info.")] = None,
+        "MODEL@URL); HARDWARE declares the server's, for servers without burstgate's GET /info.", rich_help_panel=TARGETS)] = None,
     api_key: Annotated[str | None, typer.Option(envvar="BURSTGATE_LOADTEST_API_KEY", metavar="KEY",
-                                                help="Bearer key sent to every target.")] = None,
-    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests per target and sweep point.")] = 100,
+                                                help="Bearer key sent to every target.", rich_help_panel=TARGETS)] = None,
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests per target and sweep point.", rich_help_panel=WORKLOAD)] = 100,
     input_len: Annotated[str, typer.Option(metavar="N|LOW:HIGH",
-                                           help="Prompt tokens as the target counts them (chat template included).")] = "512",
-    output_len: Annotated[str, typer.Option(metavar="N|LOW:HIGH", help="max_tokens per request.")] = "128",
+                                           help="Prompt tokens as the target counts them (chat template included).", rich_help_panel=WORKLOAD)] = "512",
+    output_len: Annotated[str, typer.Option(metavar="N|LOW:HIGH", help="max_tokens per request.", rich_help_panel=WORKLOAD)] = "128",
     preset: Annotated[Preset | None, typer.Option(
         help="paper: arXiv 2311.03687's 1000 prompts x 512 tokens in one burst, fixed output; refuses options "
-        "that would change it.")] = None,
+        "that would change it.", rich_help_panel=WORKLOAD)] = None,
     dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
-                                                 help="Prompts from JSONL, ShareGPT or Alpaca JSON.")] = None,
+                                                 help="Prompts from JSONL, ShareGPT or Alpaca JSON.", rich_help_panel=WORKLOAD)] = None,
     tokenizer: Annotated[list[str] | None, typer.Option(
         metavar="PATH", help="Local tokenizer (HF dir or .gguf) for targets without /tokenize and for output "
-        "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).")] = None,
-    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Shared prefix tokens (prefix-caching workloads).")] = 0,
-    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Distinct shared prefixes.")] = 1,
+        "counts without usage: once for all targets, or once per target in order (default: embedded SmolLM2).", rich_help_panel=TARGETS)] = None,
+    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Shared prefix tokens (prefix-caching workloads).", rich_help_panel=WORKLOAD)] = 0,
+    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Distinct shared prefixes.", rich_help_panel=WORKLOAD)] = 1,
     users: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn chat: this many conversations, each "
-                                       "turn carrying the whole history (needs --endpoint chat).")] = 0,
-    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Questions per conversation.")] = 1,
+                                       "turn carrying the whole history (needs --endpoint chat).", rich_help_panel=CONVERSATIONS)] = 0,
+    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Questions per conversation.", rich_help_panel=CONVERSATIONS)] = 1,
     system_prompt_len: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn: tokens of the system "
-                                                   "prompt every conversation shares.")] = 0,
-    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Multi-turn: tokens of each question.")] = 64,
+                                                   "prompt every conversation shares.", rich_help_panel=CONVERSATIONS)] = 0,
+    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Multi-turn: tokens of each question.", rich_help_panel=CONVERSATIONS)] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Multi-turn: seconds between an answer "
-                                              "and the next question.")] = 0.0,
+                                              "and the next question.", rich_help_panel=CONVERSATIONS)] = 0.0,
     trace: Annotated[Path | None, typer.Option(
         exists=True, dir_okay=False, metavar="FILE", help="Replay a JSONL trace (Mooncake's, or timestamp + prompt or "
-        "input_length + output_length [+ session_id]) at its own times.")] = None,
+        "input_length + output_length [+ session_id]) at its own times.", rich_help_panel=TRACES)] = None,
     time_scale: Annotated[float, typer.Option(min=0.0001, metavar="F", help="Multiplies a trace's times (0.5: "
-                                              "twice as fast).")] = 1.0,
+                                              "twice as fast).", rich_help_panel=TRACES)] = 1.0,
     trace_block_size: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per trace hash id "
-                                                  "(Mooncake: 512).")] = 512,
-    schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.")] = Schedule.burst,
-    rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.")] = None,
-    burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).")] = 1.0,
-    concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight.")] = None,
-    sweep_concurrency: Annotated[str | None, typer.Option(metavar="N,N,...", help="Concurrencies to sweep.")] = None,
-    sweep_rate: Annotated[str | None, typer.Option(metavar="R,R,...", help="Rates to sweep (poisson unless --schedule).")] = None,
+                                                  "(Mooncake: 512).", rich_help_panel=TRACES)] = 512,
+    schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.", rich_help_panel=ARRIVALS)] = Schedule.burst,
+    rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.", rich_help_panel=ARRIVALS)] = None,
+    burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).", rich_help_panel=ARRIVALS)] = 1.0,
+    concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight.", rich_help_panel=ARRIVALS)] = None,
+    sweep_concurrency: Annotated[str | None, typer.Option(metavar="N,N,...", help="Concurrencies to sweep.", rich_help_panel=ARRIVALS)] = None,
+    sweep_rate: Annotated[str | None, typer.Option(metavar="R,R,...", help="Rates to sweep (poisson unless --schedule).", rich_help_panel=ARRIVALS)] = None,
     sweep: Annotated[int, typer.Option(min=0, metavar="N", help="guidellm's sweep: synchronous, throughput, then N "
-                                       "constant rates evenly between them.")] = 0,
+                                       "constant rates evenly between them.", rich_help_panel=ARRIVALS)] = 0,
     capacity: Annotated[bool, typer.Option("--capacity", help="Search the highest rate meeting every --goodput SLO "
-                                           "(see --attainment, --precision).")] = False,
+                                           "(see --attainment, --precision).", rich_help_panel=CAPACITY)] = False,
     attainment: Annotated[float, typer.Option(min=0.01, max=1.0, metavar="SHARE", help="--capacity: the share of "
-                                              "requests that must meet every SLO.")] = 0.9,
+                                              "requests that must meet every SLO.", rich_help_panel=CAPACITY)] = 0.9,
     precision: Annotated[float, typer.Option(min=0.001, max=0.5, metavar="REL", help="--capacity: stop when the "
-                                             "first failing rate is within this of the answer.")] = 0.05,
-    duration: Annotated[float | None, typer.Option(min=0.001, metavar="S", help="Stop sending after this many seconds.")] = None,
+                                             "first failing rate is within this of the answer.", rich_help_panel=CAPACITY)] = 0.05,
+    duration: Annotated[float | None, typer.Option(min=0.001, metavar="S", help="Stop sending after this many seconds.", rich_help_panel=ARRIVALS)] = None,
     warmup: Annotated[int, typer.Option(min=0, metavar="N",
-                                        help="Untimed requests (other prompts, same shape) before each measurement.")] = 4,
-    endpoint: Annotated[Endpoint, typer.Option(help="OpenAI route to load.")] = Endpoint.completions,
+                                        help="Untimed requests (other prompts, same shape) before each measurement.", rich_help_panel=ARRIVALS)] = 4,
+    endpoint: Annotated[Endpoint, typer.Option(help="OpenAI route to load.", rich_help_panel=WORKLOAD)] = Endpoint.completions,
     temperature: Annotated[float | None, typer.Option(
-        metavar="T", help="Sampling temperature sent with every request (default: none sent, the server decides).")] = None,
+        metavar="T", help="Sampling temperature sent with every request (default: none sent, the server decides).", rich_help_panel=WORKLOAD)] = None,
     ignore_eos: Annotated[bool | None, typer.Option(
         "--ignore-eos/--no-ignore-eos", show_default="on for synthetic prompts, off for datasets",
-        help="Ask for exactly max_tokens (vLLM extension).")] = None,
-    timeout: Annotated[float, typer.Option(min=0.001, metavar="S", help="Per-request timeout.")] = 600.0,
+        help="Ask for exactly max_tokens (vLLM extension).", rich_help_panel=WORKLOAD)] = None,
+    timeout: Annotated[float, typer.Option(min=0.001, metavar="S", help="Per-request timeout.", rich_help_panel=ARRIVALS)] = 600.0,
     goodput: Annotated[list[str] | None, typer.Option(metavar="KEY:MS", help="SLO for goodput (ttft, tpot or e2el in ms); "
-                                                                      "repeatable.")] = None,
-    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Client processes (when one cannot keep up).")] = 1,
-    server_pid: Annotated[int | None, typer.Option(metavar="PID", help="Sample this local server process's CPU/RSS.")] = None,
+                                                                      "repeatable.", rich_help_panel=CAPACITY)] = None,
+    workers: Annotated[int, typer.Option(min=1, metavar="N", help="Client processes (when one cannot keep up).", rich_help_panel=ARRIVALS)] = 1,
+    server_pid: Annotated[int | None, typer.Option(metavar="PID", help="Sample this local server process's CPU/RSS.", rich_help_panel=OUTPUT)] = None,
     seed: Annotated[int | None, typer.Option(
-        metavar="N", help="Makes prompts and schedules reproducible (default: fresh prompts every run).")] = None,
+        metavar="N", help="Makes prompts and schedules reproducible (default: fresh prompts every run).", rich_help_panel=WORKLOAD)] = None,
     out: Annotated[Path, typer.Option(metavar="DIR", help="Root of the output folders: each run writes a new "
-                                                          "DIR/<run id>/.")] = Path("results/loadtest"),
+                                                          "DIR/<run id>/.", rich_help_panel=OUTPUT)] = Path("results/loadtest"),
     db: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE",
-                                            help="SQLite results store (default: the user's data dir).")] = None,
-    plots: Annotated[bool, typer.Option(help="Write PNG plots and report.html.")] = True,
+                                            help="SQLite results store (default: the user's data dir).", rich_help_panel=OUTPUT)] = None,
+    plots: Annotated[bool, typer.Option(help="Write PNG plots and report.html.", rich_help_panel=OUTPUT)] = True,
 ) -> None:
     """Run the same workload against every target, one after another, and compare them."""
     try:  # before the run, not after it
@@ -365,7 +388,10 @@ def _print_recommendations(recommendations: list[Recommendation], title: str) ->
     console.print(table)
 
 
-@app.command("report")
+@app.command("report", cls=HelpCommand, epilog="""
+burstgate loadtest report                       # the latest run
+burstgate loadtest report 20261127-101500-ab12 --out report/
+""")
 def report_cmd(
     run_id: Annotated[str | None, typer.Argument(metavar="[RUN_ID]", help="Run id (default: the latest).")] = None,
     db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
@@ -396,7 +422,9 @@ def report_cmd(
         console.print(f"wrote {out}/report.html")
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+burstgate loadtest leaderboard --slo-ttft-ms 2000
+""")
 def leaderboard(
     db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
                                             help="SQLite results store (default: the user's data dir).")] = None,
@@ -424,7 +452,11 @@ def leaderboard(
     console.print(table)
 
 
-@app.command("recommend")
+@app.command("recommend", cls=HelpCommand, epilog="""
+burstgate loadtest recommend
+burstgate loadtest recommend --run 20261127-101500-ab12 \\
+    --run 20261127-103000-cd34 --json
+""")
 def recommend_cmd(
     run: Annotated[list[str] | None, typer.Option(metavar="RUN_ID", help="Rank only these runs' capacity searches "
                                                   "(refused when their workloads or SLOs differ); repeatable.")] = None,
@@ -459,7 +491,10 @@ def _store(db: Path | None):
         raise typer.BadParameter(str(exc), param_hint="--db") from None
 
 
-@app.command("mock-server")
+@app.command("mock-server", cls=HelpCommand, epilog="""
+burstgate loadtest mock-server --port 8100 --ttft-ms 50 --itl-ms 10 \\
+    --max-concurrency 64
+""")
 def mock_server(
     host: Annotated[str, typer.Option(metavar="ADDR", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(metavar="PORT", help="Port to listen on.")] = 8100,

@@ -10,11 +10,15 @@ from typing import Annotated
 import typer
 
 from backends.native.gpus import GPUS
+from gateway.cli_help import HelpCommand, HelpGroup
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup)
+FLEET, TRAFFIC = "The fleet", "Traffic"  # the sections of `sim run --help`
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+burstgate sim profiles
+""")
 def profiles() -> None:
     """The device profiles simulated replicas can run on: fitted ones, and GPU types derived from them."""
     from backends.sim.profile import PROFILES_DIR, load_profile, profile_names
@@ -28,7 +32,14 @@ def profiles() -> None:
                    + (error if fitted else " (derived)"))
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+# a GPU's profile from a committed GPU run
+burstgate sim fit --gpu h200 --from benchmarks/results/gpu_check_h200.json \\
+    --out h200.json
+
+# this CPU's profile, from the native engine measured here
+burstgate sim fit --native --save-steps steps.json --out cpu.json
+""")
 def fit(
     out: Annotated[Path, typer.Option(metavar="FILE", help="Where to write the profile (JSON).")],
     gpu: Annotated[str | None, typer.Option(metavar="GPU", help=f"The GPU type measured: {', '.join(GPUS)} "
@@ -113,12 +124,6 @@ def machine() -> str:
     return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
 
 
-Requests = Annotated[int, typer.Option(min=1, metavar="N", help="Requests (conversations with --users).")]
-Rate = Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="Arrival rate; none: all at t=0.")]
-Arrivals = Annotated[str, typer.Option(metavar="KIND", help="Arrival process at --rate: poisson, constant or gamma "
-                                       "(the load tester's).")]
-
-
 def build_workload(requests: int, input_len: int, output_len: int | None, rate: float | None, arrivals: str,
                    seed: int, prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1, question_len: int = 64,
                    think_time: float = 0.0, trace: Path | None = None, time_scale: float = 1.0,
@@ -162,37 +167,48 @@ def routing_config(policy: str):
     return POLICIES[policy].Config()
 
 
-@app.command()
+@app.command(cls=HelpCommand, epilog="""
+# 64 replicas of the design's 12.3B model on H100s, cache-aware routing
+burstgate sim run --model configs/llama-12.3b-gqa.json --profile h100 \\
+    --replicas 64 --rate 200 --requests 20000 --routing cache_aware
+
+# multi-turn chat sharing a system prompt, two policies compared
+burstgate sim run --model configs/llama-12.3b-gqa.json --replicas 8 \\
+    --turns 6 --prefix-len 2000 --rate 20 --routing round_robin
+""")
 def run(
     model: Annotated[Path, typer.Option(exists=True, metavar="PATH", help="HF directory, .gguf or config.json (only "
-                                        "the config is read).")],
+                                        "the config is read).", rich_help_panel=FLEET)],
     profile: Annotated[str, typer.Option(metavar="PROFILE", help="Device profile: h100, h200, a GPU type, a CPU "
-                                         "profile, or a profile file.")] = "h100",
-    replicas: Annotated[int, typer.Option(min=1, metavar="N", help="Simulated replicas.")] = 1,
-    routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.")] = "cache_aware",
-    requests: Requests = 100,
-    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.")] = 512,
+                                         "profile, or a profile file.", rich_help_panel=FLEET)] = "h100",
+    replicas: Annotated[int, typer.Option(min=1, metavar="N", help="Simulated replicas.", rich_help_panel=FLEET)] = 1,
+    routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.", rich_help_panel=FLEET)] = "cache_aware",
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests (conversations with --turns).",
+                                          rich_help_panel=TRAFFIC)] = 100,
+    input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.", rich_help_panel=TRAFFIC)] = 512,
     output_len: Annotated[int | None, typer.Option(min=1, metavar="N", help="Output tokens (fixed; default 128, "
-                                                   "or a --dataset's own).")] = None,
-    rate: Rate = None,
-    arrivals: Arrivals = "poisson",
+                                                   "or a --dataset's own).", rich_help_panel=TRAFFIC)] = None,
+    rate: Annotated[float | None, typer.Option(min=0.001, metavar="REQ/S", help="Arrival rate; none: all at t=0.",
+                                               rich_help_panel=TRAFFIC)] = None,
+    arrivals: Annotated[str, typer.Option(metavar="KIND", help="Arrival process at --rate: poisson, constant or "
+                                          "gamma (the load tester's).", rich_help_panel=TRAFFIC)] = "poisson",
     prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens shared by prompts of a group (with "
-                                            "--turns: the system prompt).")] = 0,
-    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Groups sharing a prefix.")] = 1,
+                                            "--turns: the system prompt).", rich_help_panel=TRAFFIC)] = 0,
+    num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Groups sharing a prefix.", rich_help_panel=TRAFFIC)] = 1,
     turns: Annotated[int, typer.Option(min=1, metavar="N", help="Turns per conversation (each with the whole "
-                                       "history).")] = 1,
-    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each turn's question.")] = 64,
+                                       "history).", rich_help_panel=TRAFFIC)] = 1,
+    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each turn's question.", rich_help_panel=TRAFFIC)] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Seconds between an answer and the next "
-                                              "turn.")] = 0.0,
+                                              "turn.", rich_help_panel=TRAFFIC)] = 0.0,
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
-                                               help="A Mooncake-format trace instead.")] = None,
-    time_scale: Annotated[float, typer.Option(min=0.0001, metavar="X", help="Trace times multiplied by X.")] = 1.0,
+                                               help="A Mooncake-format trace instead.", rich_help_panel=TRAFFIC)] = None,
+    time_scale: Annotated[float, typer.Option(min=0.0001, metavar="X", help="Trace times multiplied by X.", rich_help_panel=TRAFFIC)] = 1.0,
     dataset: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE", help="Prompts from "
-                                                 "a load-test dataset (JSONL, ShareGPT or Alpaca JSON) instead.")] = None,
-    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.")] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.")] = 8192,
-    tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.")] = 1,
-    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the prompts, arrivals and tie-breaks.")] = 0,
+                                                 "a load-test dataset (JSONL, ShareGPT or Alpaca JSON) instead.", rich_help_panel=TRAFFIC)] = None,
+    max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.", rich_help_panel=FLEET)] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.", rich_help_panel=FLEET)] = 8192,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.", rich_help_panel=FLEET)] = 1,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the prompts, arrivals and tie-breaks.", rich_help_panel=TRAFFIC)] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """A fleet of simulated replicas on a virtual clock, routed by the gateway's own policies: what a client

@@ -1,0 +1,43 @@
+"""Help that reads at 80 columns: click's plain two-column layout (rich's boxed tables squeezed option help into
+one-word lines), options in sections by their ``rich_help_panel``, and each command's examples printed as written.
+
+Every ``burstgate`` command is declared with ``cls=HelpCommand`` (a group: ``HelpGroup``) and its examples as
+``epilog``; the apps are ``typer.Typer(rich_markup_mode=None)`` so that typer hands help to click."""
+
+from __future__ import annotations
+
+import click
+from typer.core import TyperCommand, TyperGroup
+
+GENERAL = "Options"  # the section of options declared without a panel (and --help)
+
+
+class _Examples:
+    """The epilog as an "Examples" section, its lines as written (click would rewrap them into a paragraph)."""
+
+    epilog: str | None
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        if not self.epilog:
+            return
+        with formatter.section("Examples"):
+            for line in self.epilog.strip("\n").splitlines():
+                formatter.write(f"{'':>{formatter.current_indent}}{line}\n" if line else "\n")
+
+
+class HelpCommand(_Examples, TyperCommand):
+    """A typer command whose help groups its options by panel and keeps its examples' lines."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "rich_help_panel", None) or GENERAL, []).append(record)
+        for name, rows in sections.items():
+            with formatter.section(name):
+                formatter.write_dl(rows)
+
+
+class HelpGroup(_Examples, TyperGroup):
+    """A typer group whose examples keep their lines."""
