@@ -44,12 +44,12 @@ class RemoteConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # errors never echo a key
 
-    url: str
+    url: str  # the server's base URL (http:// or https://), without /v1
     upstream_model: str | None = None  # the name the server knows the model by; default: the public name
     # or "os.environ/NAME": read from the environment when the config loads; never in a repr
     api_key: str | None = Field(None, repr=False)
     api_key_env: str | None = None  # the name of an environment variable holding the key
-    connect_timeout_s: float = Field(5.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)  # for opening a connection to the server
     read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
     # an https:// upstream: the CA bundle its certificate is checked against (default: the system's), and this
     # gateway's own certificate and key for servers that ask for one (mutual TLS); PEM files

@@ -35,7 +35,7 @@ class _Deployment(_Strict):
     """What the gateway itself needs of every deployment, whatever its kind."""
 
     name: str | None = None  # label in metrics and /admin/backends; derived when omitted
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0)  # share of the traffic against the model's other deployments (weighted policies)
     max_concurrency: int = Field(256, ge=1)  # requests in flight on this deployment
     max_queue: int = Field(1024, ge=0)  # requests waiting for a slot before 429
     # timeouts enforced by the gateway for every kind; None: no limit (a burst may queue for minutes)
@@ -101,7 +101,8 @@ RoutingConfig = routing_config()  # every registered policy's config, by its ``p
 
 
 class ModelRoute(_Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # the public model name clients send as `model`
+    # where it runs: one or more deployments of any kind (`kind:`, default native), routed by `routing`
     deployments: list[DeploymentConfig] = Field(min_length=1)
     # the routing policy (gateway/routing/): its name, or policy: and its settings
     routing: RoutingConfig = Field(default_factory=LeastOutstandingConfig)
@@ -119,11 +120,11 @@ class Resilience(_Strict):
 
     retries: int = Field(2, ge=0)  # extra attempts per model, for failures before the first token
     retry_backoff_s: float = Field(0.05, ge=0)  # base of the exponential backoff (full jitter)
-    retry_backoff_max_s: float = Field(1.0, ge=0)
+    retry_backoff_max_s: float = Field(1.0, ge=0)  # the backoff's cap
     breaker_failures: int = Field(5, ge=1)  # consecutive failures that open a deployment's breaker
     breaker_cooldown_s: float = Field(30.0, ge=0)  # open time before one probe request is let through
-    health_interval_s: float = Field(5.0, gt=0)
-    health_timeout_s: float = Field(5.0, gt=0)
+    health_interval_s: float = Field(5.0, gt=0)  # time between two health checks of a deployment
+    health_timeout_s: float = Field(5.0, gt=0)  # a check slower than this fails
 
 
 class ApiKey(_Strict):
@@ -132,9 +133,10 @@ class ApiKey(_Strict):
 
     model_config = ConfigDict(hide_input_in_errors=True)  # a config error never echoes a key
 
-    name: str = "default"
-    key: str | None = Field(None, repr=False)
-    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    name: str = "default"  # shown in logs and in the rate-limit metric, never the key itself
+    key: str | None = Field(None, repr=False)  # the key, or os.environ/NAME
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")  # instead of key: its SHA-256 hex digest
+    # requests and tokens (prompt + completion) per rate window (limits.window_s); None: unlimited
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
 
@@ -151,7 +153,7 @@ class ApiKey(_Strict):
 
 
 class Limits(_Strict):
-    max_body_bytes: int = Field(2_000_000, ge=1024)
+    max_body_bytes: int = Field(2_000_000, ge=1024)  # a larger request body is refused with 413
     redis_url: str | None = None  # shared rate-limit counters when several replicas run
     # the keys' rate windows (requests_per_minute and tokens_per_minute count per window): a minute unless said
     window_s: float = Field(60.0, gt=0)
@@ -163,7 +165,7 @@ class ResponsesStore(_Strict):
 
     retention_s: float = Field(30 * 24 * 3600.0, gt=0)  # OpenAI keeps stored responses 30 days
     max_records: int = Field(10_000, ge=1)  # in memory only: the oldest are dropped beyond it
-    redis_url: str | None = None
+    redis_url: str | None = None  # redis://host:6379/0; default: limits.redis_url
 
 
 class Server(_Strict):
@@ -194,18 +196,19 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="BURSTGATE_", env_nested_delimiter="__", extra="forbid",
                                       hide_input_in_errors=True)  # errors name the field, never echo a key
 
-    models: list[ModelRoute] = Field(default_factory=list)
+    models: list[ModelRoute] = Field(default_factory=list)  # the served models; none: the embedded SmolLM2
     api_keys: list[ApiKey] = Field(default_factory=list)  # client keys: /v1/*, /tokenize, /detokenize
     api_key: str | None = Field(None, repr=False)  # shorthand for one unnamed key without limits (like VLLM_API_KEY)
     # /admin/* takes only these (never a client key); with no key of either kind configured, nothing is guarded
     admin_api_keys: list[ApiKey] = Field(default_factory=list)
     admin_api_key: str | None = Field(None, repr=False)  # shorthand for one admin key (BURSTGATE_ADMIN_API_KEY)
     protect_metrics: bool = False  # require a key (client or admin) on /metrics too
-    limits: Limits = Field(default_factory=Limits)
+    limits: Limits = Field(default_factory=Limits)  # request size and the keys' rate windows
+    # retries, breakers, health checks (`router:`, its earlier name, is still read)
     resilience: Resilience = Field(default_factory=Resilience, validation_alias=AliasChoices("resilience", "router"))
-    server: Server = Field(default_factory=Server)
-    responses: ResponsesStore = Field(default_factory=ResponsesStore)
-    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    server: Server = Field(default_factory=Server)  # the HTTP server's limits and draining
+    responses: ResponsesStore = Field(default_factory=ResponsesStore)  # stored Responses API responses
+    tracing: TracingConfig = Field(default_factory=TracingConfig)  # OpenTelemetry spans (off by default)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -41,10 +41,10 @@ class KVEventsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enable_kv_cache_events: bool = False
-    publisher: Literal["zmq", "null"] = "zmq"
+    enable_kv_cache_events: bool = False  # publish them
+    publisher: Literal["zmq", "null"] = "zmq"  # null: build the events, send none
     endpoint: str = "tcp://*:5557"  # ZMQ PUB socket it binds
-    topic: str = ""
+    topic: str = ""  # the ZMQ topic every message is sent under
 
 
 class SimulationConfig(BaseModel):
@@ -89,11 +89,11 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # share of the GPU this engine may use (vLLM's name)
     num_blocks: int | None = Field(None, ge=1)  # overrides both (tests force preemption with tiny values)
     max_model_len: int | None = Field(None, ge=2)  # default: the model's max_position_embeddings
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(256, ge=1)  # most sequences in one batch (vLLM's name)
     max_n: int = Field(128, ge=1)  # most parallel samples one request may ask for (OpenAI's limit)
-    max_num_batched_tokens: int = Field(2048, ge=16)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = Field(2048, ge=16)  # most tokens one step computes (prefill chunks + decodes)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompts that start alike
+    enable_chunked_prefill: bool = True  # long prompts prefilled in chunks beside running decodes
     num_threads: int | None = Field(None, ge=1)  # None: CPU affinity capped by the cgroup quota
     kernels: Literal["auto", "torch"] = "auto"  # auto: C kernels on CPU, Triton on CUDA; torch: pure torch
     enforce_eager: bool = False  # every step through the torch modules: no CUDA graphs, no fused CPU steps (vLLM's name)

@@ -20,7 +20,7 @@ class DNSDiscovery(DiscoverySource):
     """``discover: {source: dns, name: vllm-headless.default.svc.cluster.local}``"""
 
     source: Literal["dns"]
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # the name to resolve: a headless Service's, or any with an A/AAAA record per replica
     # "ADDRESS" or "ADDRESS:PORT" of the name servers to ask; default: the system's (/etc/resolv.conf)
     nameservers: list[str] | None = None
     timeout_s: float = Field(2.0, gt=0)
