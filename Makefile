@@ -5,7 +5,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test soak test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev system-packages lint peers peers-routers peers-litellm peers-guidellm peers-llamacpp
+.PHONY: serve test soak docs docs-serve test-peers test-cuda gpu-carry gpu-check gpu-rehearse install install-dev system-packages lint peers peers-routers peers-litellm peers-guidellm peers-llamacpp
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -46,6 +46,14 @@ SOAK_REQUESTS ?= 10000
 soak: install-dev
 	BURSTGATE_SOAK_REQUESTS=$(SOAK_REQUESTS) $(PY) -m pytest -q -p no:cacheprovider -s --timeout=0 \
 		tests/gateway/test_soak.py -k embedded_default
+
+# The documentation site (MkDocs Material): --strict fails on broken links and pages left out of the nav.
+docs: install-dev
+	$(PY) docs/generate.py --check
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: install-dev
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks

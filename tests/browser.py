@@ -7,7 +7,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,10 +36,11 @@ def chromium() -> Iterator[str]:
     if binary is None:
         raise RuntimeError("chromium is not installed: `make test` installs it (apt chromium)")
     port = free_port()
-    with tempfile.TemporaryDirectory() as profile:
+    # its helper processes may still write to the profile while they exit: cleanup errors are not the test's
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                                  f"--remote-debugging-port={port}", f"--user-data-dir={profile}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 60
@@ -47,7 +50,8 @@ def chromium() -> Iterator[str]:
                 time.sleep(0.1)
             yield base
         finally:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)  # the browser and every helper process it started
             proc.wait(timeout=30)
 
 
@@ -57,10 +61,12 @@ def _answers(url: str) -> bool:
     return False
 
 
-def load(devtools: str, page: Path, script: str, timeout_s: float = 60.0) -> PageLoad:
-    """Open ``page`` in a new tab, wait for its load event, then evaluate ``script`` (an expression, awaited if
-    it is a promise); everything the page reported as an error on the way is returned with the value."""
-    return asyncio.run(asyncio.wait_for(_load(devtools, page.resolve().as_uri(), script), timeout_s))
+def load(devtools: str, page: Path | str, script: str, timeout_s: float = 60.0) -> PageLoad:
+    """Open ``page`` (a file, or a URL) in a new tab, wait for its load event, then evaluate ``script`` (an
+    expression, awaited if it is a promise); everything the page reported as an error on the way is returned
+    with the value."""
+    url = page.resolve().as_uri() if isinstance(page, Path) else page
+    return asyncio.run(asyncio.wait_for(_load(devtools, url, script), timeout_s))
 
 
 async def _load(devtools: str, url: str, script: str) -> PageLoad:
