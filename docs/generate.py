@@ -8,6 +8,7 @@
   comment written beside or just above it; a model's is its docstring.
 - reference/cli.md: every command of the typer app, its options by section, and its examples.
 - reference/metrics.md: every series ``GET /metrics`` exports (gateway/metrics.py).
+- reference/loadtest-metrics.md: the load tester's metric definitions (loadtest/metrics.py), against vLLM's bench.
 - results.md: the current benchmark results, from benchmarks/results/*.json; superseded runs listed apart.
 """
 
@@ -241,6 +242,18 @@ def metrics_page() -> str:
     return "\n".join(out) + "\n"
 
 
+# --- the load tester's metric definitions -----------------------------------------------------------------------
+
+def loadtest_metrics_page() -> str:
+    import loadtest.metrics
+
+    text = inspect.getdoc(loadtest.metrics).replace("``", "`")
+    return "\n".join([GENERATED.format(source="loadtest/metrics.py's docstring"), "",
+                      "# Load-test metric definitions", "", text, "",
+                      "The code that computes them is loadtest/metrics.py; the agreement with `vllm bench serve` on "
+                      "the same bursts is measured by benchmarks/loadtest_agreement.py ([current results](../results.md))."])
+
+
 # --- benchmark results -----------------------------------------------------------------------------------------
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -387,6 +400,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/configuration.md": configuration_page,
     "reference/cli.md": cli_page,
     "reference/metrics.md": metrics_page,
+    "reference/loadtest-metrics.md": loadtest_metrics_page,
     "results.md": results_page,
 }
 
