@@ -1,7 +1,7 @@
 """Sends one request to an OpenAI-compatible target and records what the client saw, chunk by chunk.
 
-HTTP goes through aiohttp: streaming a request costs the client about 0.2 ms of CPU here against 3 ms
-with httpx, and every millisecond the client spends is send lag, or CPU taken from a local server.
+HTTP goes through aiohttp, which costs the client far less CPU per streamed request than httpx, and every
+millisecond the client spends is send lag, or CPU taken from a local server.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
 
 
 def _freeze_heap() -> None:
-    """Keep the garbage collector off the objects already alive (torch, tokenizers: 250k here, 160 ms a full
-    pass), so no collection pauses the client mid-run; vLLM's bench does the same (``freeze_gc_heap``)."""
+    """Keep the garbage collector off the objects already alive (torch, tokenizers: hundreds of thousands, a full
+    pass a long pause), so no collection pauses the client mid-run; vLLM's bench does the same (``freeze_gc_heap``)."""
     gc.collect()
     gc.freeze()
 
@@ -241,7 +241,7 @@ async def _send_all(client: aiohttp.ClientSession, target: Target, specs: list[R
 
     # One pacer starts each request when it is due. asyncio wakes timers through epoll's millisecond
     # timeout, rounded up (up to 1 ms late), so the pacer sleeps to just before the due time and then
-    # yields to the loop until it: p99 send lag 2.2 -> 0.1-0.4 ms at 100 req/s. One task per request
+    # yields to the loop until it, which keeps sends on time to a fraction of a millisecond. One task per request
     # sleeping on its own would need one spinner each.
     tasks = []
     try:

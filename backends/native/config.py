@@ -166,7 +166,7 @@ class EngineConfig(BaseModel):
         """``block_size`` resolved: 64 tokens on CPU, 16 on CUDA (the Triton kernels' and vLLM's GPU default).
         A CPU decode step reads every sequence's blocks from memory, and a block is one run of memory per KV
         head: longer runs keep the hardware prefetchers streaming, where 16-token blocks scattered over the
-        cache made it wait (a 64-request bf16 burst in-process 1.06x faster at 64 than at 16, 1.03x at 32).
+        cache made it wait.
         vLLM's CPU backend takes 128 for the same reason; our CPU kernels hold at most 64 a block."""
         if self.block_size is not None:
             return self.block_size

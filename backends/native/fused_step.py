@@ -1,9 +1,8 @@
 """CPU steps in one C call: the CPU's counterpart of CUDA graphs (cuda_graphs.py).
 
-A decode step of one sequence reads every weight once, ~10 ms for SmolLM2's 270 MB of bf16 at this machine's
-memory bandwidth; layer by layer from Python the step took ~14 ms: ~300 kernel calls through ctypes, each with
-its tensor allocations and Python frames, while the other OpenMP threads wait. A 2048-token bf16 prefill step
-lost ~8% of its time the same way. csrc/step_layers.c runs the same kernels in the same order over the whole
+A decode step of one sequence reads every weight once; layer by layer from Python it also made hundreds of
+kernel calls through ctypes, each with its tensor allocations and Python frames, while the other OpenMP threads
+wait, and large steps lost time the same way. csrc/step_layers.c runs the same kernels in the same order over the whole
 decoder stack, so a step gives bit for bit the eager path's logits and KV cache; the embedding lookup, the final
 norm and the LM head stay here. It runs any mix of decodes and prefill chunks up to the rows the linear layers'
 small-step copies serve (``TILE_ROWS`` for AMX tiles, ``STRIP_ROWS`` for fp32 strips), and steps of any size where

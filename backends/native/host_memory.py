@@ -6,9 +6,7 @@ glibc serves allocations above its mmap threshold (128 KiB at start, raised by f
 mmap and unmaps them on free, and gives the top of the heap back to the kernel once more than twice that
 threshold is free. A CPU step allocates and frees its activations layer by layer (tens of MiB per layer
 in a 2048-token prefill), so how much of them came back as fresh pages, faulted in and zeroed by the
-kernel, depended on what the process had freed before: a bf16 prefill of 4 x 512 tokens on SmolLM2
-faulted 14k-125k pages and took 430-956 ms, against no faults and 367-421 ms with the memory kept (Xeon,
-2 cores). vLLM's CPU build asks for tcmalloc (LD_PRELOAD) for the same reason; here glibc is told at
+kernel, depended on what the process had freed before, and a step's time with it. vLLM's CPU build asks for tcmalloc (LD_PRELOAD) for the same reason; here glibc is told at
 start-up through mallopt, with nothing to install. The cost: the process keeps its peak heap.
 """
 

@@ -1,15 +1,14 @@
 """Linear layers: oneDNN-packed float weights, or weight-only int8 with one scale per output channel.
 
 ``F.linear`` on CPU hands the weight to MKL, which packs it again on every call. Packing once with
-oneDNN, as vLLM's CPU backend does (``onednn_mm`` on prepacked weights), made SmolLM2's matmuls
-1.3-2x faster here: fp32 decode at batch 64 went from 120 to 180 GFLOP/s, the LM head at batch 1
-from 11 to 5.5 ms. The packed copy replaces the weight, so memory does not double, except for a
+oneDNN, as vLLM's CPU backend does (``onednn_mm`` on prepacked weights), saves that on every call. The
+packed copy replaces the weight, so memory does not double, except for a
 weight tied to the embedding table, which the embedding lookup still reads.
 
 Decoding a few sequences reads every weight once per step, so its speed is the memory's: int8 weights
 (``quantization: int8``) read a quarter of fp32's bytes. Activations stay in the model's dtype. Up to
 ``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
-gpt-fast's int8 mode uses, has no AVX2 path: 5-7x slower than fp32 at one row here, benchmarks/int8_matmul.py);
+gpt-fast's int8 mode uses, has no AVX2 path: benchmarks/int8_matmul.py);
 more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call, except
 for bf16 activations on AMX tiles, where the int8 weight is laid out as tiles too and the tile kernel's blocked
 path widens them chunk by chunk. A GGUF Q8_0 tensor becomes these rows without a float copy of the matrix
@@ -22,8 +21,8 @@ shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (`
 pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_only``,
 ``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
 otherwise it is a second copy for small steps. CPUs with AVX512-BF16 but no tiles (AMD Zen 4) read the same
-layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul was 1.2-1.6x
-slower (benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
+layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul is slower
+(benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
 fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
 strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
 memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
@@ -44,14 +43,11 @@ from backends.native import cpu_kernels
 INT8_KERNEL_ROWS = 32
 # Up to this many rows a bf16 matmul with a tile copy streams it (csrc/tile_linear.c, whose STREAM_ROWS is the
 # same); weights whose tile layout is their only copy (``layout_only``) take its blocked path beyond, the others
-# oneDNN's matmul. Streaming SmolLM2's 30 layers of weights (not in cache; AMX Xeon, 2 cores) took 8.5-8.9 ms at
-# 1-16 rows against oneDNN's 12.5-12.8, 11.7 vs 15.0 at 32, 13.4 vs 15.0 at 48, 15.4 vs 17.0 at 64; level at 72,
-# behind from 80 (an earlier run on a machine of this kind had oneDNN ahead from 56). A 64-sequence decode step:
-# 76.4 -> 62.0 ms with 64 here (fused too).
+# oneDNN's matmul: up to here streaming the tiles is faster (docs/performance.md, "Measurements behind the
+# code").
 TILE_ROWS = 64
-# Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c. Over SmolLM2's 30 layers
-# of weights (not in cache; AMX Xeon, 2 cores) against oneDNN: 19.7 vs 24.4 ms at 1 row, 28.5 vs 37.1 at 16,
-# 40.2 vs 46.7 at 32, 63.3 vs 77.4 at 64, 81 vs 94 at 96, 109 vs 115 at 128; level at 256, behind from 512.
+# Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c, faster than oneDNN's
+# (docs/performance.md, "Measurements behind the code").
 STRIP_ROWS = 128
 
 
@@ -263,7 +259,7 @@ class Linear(nn.Linear):
         """The layer's output and the residual stream it joins, as the next ``RMSNorm`` takes them: ``(x @ W.T,
         residual)``, for the norm to add; or, where the tile kernel serves the step (tile layout only, bf16
         activations, more than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
-        rounds it: ``(residual, None)``. SmolLM2's 2048-row step: the 60 norms no longer add, ~4 ms less."""
+        rounds it: ``(residual, None)``: the norms that follow no longer add."""
         if self._blocked(x) and self.bias is None and residual.is_contiguous():
             tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]), self._tile_scales)
             return residual, None
@@ -275,10 +271,10 @@ class GateUpLinear(Linear):
     ``silu_and_mul``: silu(gate) * up [..., I].
 
     On AMX tiles (``layout_only``), steps of more than ``TILE_ROWS`` rows get the product from the tile
-    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds: 30 layers of SmolLM2 at 2048 rows 60 ms in a
-    prefill step, where oneDNN's epilogues below took 118 (AMX Xeon). Packed for oneDNN in bf16 (no tiles), the two halves are packed
-    apart and the product comes out of the matmuls' epilogues (swish on the gate's sums, then the up's sums times
-    that), with no [T, 2I] intermediate and no pass of its own: 111 -> 94 ms against one matmul and a pass. HF
+    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds, faster than oneDNN's epilogues below. Packed
+    for oneDNN in bf16 (no tiles), the two halves are packed apart and the product comes out of the matmuls'
+    epilogues (swish on the gate's sums, then the up's sums times that), with no [T, 2I] intermediate and no pass of
+    its own. HF
     rounds the gate to bf16 before the silu; the epilogue takes the fp32 sums (within one bf16 rounding)."""
 
     halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the gate's and the up's oneDNN-packed weights

@@ -4,9 +4,8 @@ libgomp keeps a pool of worker threads for every thread that has run a parallel 
 that thread lives. Once it manages more threads than the CPUs it may use, it barely spins at barriers
 (its "throttled" spin count), so the threads of every parallel region sleep in the kernel and are woken
 for the next one: hundreds of times per engine step. The engine is built and warmed up in one thread and
-stepped in another (async_engine.py); with the builder's pool parked, a 64-request burst ran at 317
-instead of 457 tok/s on a 2-core Xeon (the stepping thread: 69k voluntary context switches instead of
-800). ``omp_pause_resource_all`` (OpenMP 5.0; libgomp, LLVM's libomp and Intel's libiomp5 have it) ends
+stepped in another (async_engine.py); with the builder's pool parked, a burst ran far slower, the stepping
+thread switching context at every region. ``omp_pause_resource_all`` (OpenMP 5.0; libgomp, LLVM's libomp and Intel's libiomp5 have it) ends
 the calling thread's pool; a later parallel region in that thread starts a new one.
 """
 

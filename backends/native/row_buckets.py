@@ -2,8 +2,7 @@
 
 oneDNN compiles a kernel for every new shape of a matmul on packed weights and keeps the last 1,024
 (its primitive cache). A step's row count is its token count, which a burst varies from 1 to the token
-budget: bursts paid for hundreds of compilations (a first call of a new row count took 1-4 ms per
-weight shape against 0.1-1.3 ms warm, bf16 on a Xeon with AMX), and a long-lived server with varied
+budget: bursts paid for hundreds of compilations, each several times a warm call, and a long-lived server with varied
 traffic kept evicting and recompiling. Padded to these buckets (a handful of rows more per step: the padding
 rows write their keys and values to the attention backend's scratch block and are never sampled), the
 shapes are few enough to compile every one of them in ``warm_up_linears`` before serving.

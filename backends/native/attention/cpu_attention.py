@@ -3,17 +3,13 @@ csrc/prefill_attention_amx.c (built by cpu_kernels.py).
 
 Decode: the pure-torch path gathers every sequence's K/V blocks into a contiguous copy before two
 matmuls; on CPU that copy dominated decode time. The kernel reads the paged cache in place instead
-(5-8x faster per layer here); in bf16 on a CPU with AMX tiles, paged_decode_attention hands decodes to the tile
+(several times faster per layer); in bf16 on a CPU with AMX tiles, paged_decode_attention hands decodes to the tile
 kernel of csrc/decode_attention_amx.c (bf16 and fp8 caches). Prefill: a tiled causal kernel over the same cache, for chunks with or
 without a cached prefix, a tile of query rows (64 with AVX-512) as vector lanes against keys and values read
-in place: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys (fp32,
-4 x 512 tokens of SmolLM2's layout on an AVX-512 Xeon: 5.6-5.7 ms per layer, SDPA 9.2, this kernel's previous
-design with transposed keys 8.8).
+in place: no gather of cached prefixes, and faster than torch's causal SDPA kernel on contiguous keys.
 In bf16 on a CPU with AMX tiles, prefill chunks go to a flash-attention kernel on the tiles instead
-(``amx_prefill``; csrc/prefill_attention_amx.c): 1.4 ms per layer on 4 x 512 tokens of SmolLM2's layout
-on a Xeon, where torch's flash kernel (oneDNN brgemm on the tiles, which the engine used before) took 3.3
-and the vector kernel 5.5 (8.1 before its redesign); whole bf16 prefill steps of 2048 tokens ran ~10% faster
-than on torch's.
+(``amx_prefill``; csrc/prefill_attention_amx.c), faster than torch's flash kernel (oneDNN brgemm on the tiles,
+which the engine used before) and than the vector kernel.
 Without a C compiler the engine keeps the pure-torch path (torch_attention.py).
 """
 

@@ -11,17 +11,9 @@
  * sum does); only then does the output leave the tiles, to be rescaled. fp8 keys are widened to bf16 rows for the
  * tile loads; fp8 values are widened as they are interleaved.
  * A decode step reads the whole KV cache once, from memory: each task asks for the next step's keys and values while
- * it works on this one, 2 lines of each between the rows of the value interleave (prefetch.h; this kernel, the
- * benchmark below: bf16 54.4-57.4 ms and fp8 47.3-48.7 asking for them at once, 16 keys ahead, against 48.6-49.5
- * and 38.2-39.1 in slices, 32 keys ahead; slices 16 ahead, 3-10% slower; 48 ahead, or 4 lines a row, level; no
- * requests, 1.2x and 2.2x the time).
- * 64 sequences x 512 keys of SmolLM2's layout on 30 layers, scattered 16-key blocks (benchmarks/decode_attention.py's
- * shape, Xeon, 2 cores, 3 interleaved rounds): bf16 52.7-53.0 ms, fp8 (e4m3) 36.3-38.9, against 60.1-63.1 and
- * 52.6-54.4 for the kernel before, which took 16 keys at a time, stored its output and rescaled it in memory after
- * each, widened fp8 values to a buffer before interleaving them, and asked for a block's lines at once, one block
- * ahead. Of fp8's time, ~20 ms was the cache's bytes from memory and ~11 the widening, before the widening took
- * 6 operations per 32 values instead of 9 (fp8.h; 33.4-33.9 -> 32.0-32.3 ms here, 25.8-26.9 -> 24.9-25.0 at
- * 64-token blocks).
+ * it works on this one, 2 lines of each between the rows of the value interleave (prefetch.h).
+ * What this design gave against the kernel before it: docs/performance.md, "Measurements behind the code"
+ * (benchmarks/decode_attention.py).
  * Built and loaded by cpu_kernels.py; paged_decode_attention (paged_attention.c) hands its bf16 work here.
  */
 

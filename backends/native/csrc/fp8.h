@@ -49,7 +49,7 @@ static inline float fp8_to_f32(uint8_t b, int format) {
 #define HAVE_FP8_VECTORS 1
 
 /* The fp8 codes in the 16-bit lanes of b (sign-extended) as bf16, exactly, in 6 integer operations per 32 values
- * (through fp16 and fp32 took 2.5x the instructions, and decode then read fp8 slower than bf16): one shift moves a
+ * (through fp16 and fp32 took far more, and decode then read fp8 slower than bf16): one shift moves a
  * code's exponent and mantissa bits to bf16's places and its sign, copied into the high bits by the extension, to
  * bf16's; a mask keeps those, an add rebiases the exponent. Codes below the smallest normal take their magnitude
  * from a table (bf16's own subnormals would be zeros to the tile unit), then every lane its sign again. */

@@ -49,8 +49,7 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(
 /* The bf16 rows' norm, in blocks of 32 values read as pairs and rounded two vectors at once (vector_math.h). The
  * second rounding leaves the words in yet another order, which the weight is permuted to follow and one word
  * permute undoes at the store. Conversions were most of the norm's time; the rows' sums of squares are taken a few
- * rows ahead of their scaling, so that one row's reduction and square root overlap another's work. SmolLM2's
- * 2048-token norm: 137 -> 87 us. */
+ * rows ahead of their scaling, so that one row's reduction and square root overlap another's work. */
 #define NORM_ROWS 8
 
 /* The words of round_two_bf16's words read as pairs and rounded again: value m = 4a + b is at word 8b + a. */
@@ -155,8 +154,8 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x
 }
 
 /* out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d] (gate and up side by side). bf16 rows of whole
- * vectors take vector_math.h's silu, torch's bit for bit (the scalar loop's libmvec expf flipped 0.08% of bf16
- * roundings) and 1.5-1.7x faster. */
+ * vectors take vector_math.h's silu, torch's bit for bit (the scalar loop's libmvec expf flipped some bf16
+ * roundings) and faster. */
 int silu_and_mul(const void *x, void *out, int64_t rows, int64_t d, int is_bf16) {
     const int64_t size = is_bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static)
@@ -221,7 +220,7 @@ int rotary_store_kv(void *qkv, int64_t stride, const float *cos, const float *si
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
 #if defined(HAVE_AVX512_BF16)
-            if (is_bf16 && half % 16 == 0) { /* the scalar loop (rounding by integer arithmetic): 1.3x the time */
+            if (is_bf16 && half % 16 == 0) { /* faster than the scalar loop, which rounds by integer arithmetic */
                 uint16_t *x = (uint16_t *)(row + h * row_bytes);
                 for (int64_t i = 0; i < half; i += 16) {
                     const __m512 a = load_bf16x16(x + i);

@@ -399,10 +399,9 @@ static inline __attribute__((always_inline)) void accumulate_slice(const float *
 }
 
 /* exp(x) for x <= 0 to ~2e-7 relative, as 2^round(x log2 e) times a degree-6 polynomial of the rest (inlined
- * and vectorised with the loop around it: libmvec's expf, a call per vector, was 6% of the kernel's time);
+ * and vectorised with the loop around it, where libmvec's expf costs a call per vector);
  * flushed to 0 below -EXP_FLOOR. The product of a smaller weight with a value, or with an output rescaled by
- * it, may be a denormal, and denormal arithmetic (no flush-to-zero in a library) took 30x the kernel's time
- * on SmolLM2's first layer; weights under e^-40 of the row's largest change no fp32 sum. */
+ * it, may be a denormal, and denormal arithmetic (no flush-to-zero in a library) is many times slower; weights under e^-40 of the row's largest change no fp32 sum. */
 #define EXP_FLOOR 40.0f
 static inline float exp_or_zero(float x) {
     const float t = fmaxf(x, -EXP_FLOOR) * 1.44269504f, n = nearbyintf(t), f = (t - n) * 0.693147181f;

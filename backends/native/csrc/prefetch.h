@@ -4,10 +4,8 @@
  * hardware prefetcher, which follows one address stream, has barely started by the end of one. Each request
  * occupies one of the core's few line-fill buffers until memory answers; asked for all at once (a 16-key block
  * is 32 to 128 lines of keys and values), the requests past those buffers stall the instructions behind them,
- * and a block's arithmetic waited on the next block's memory (asked at once, two to four blocks ahead were 2-10%
- * slower than one). The decode kernels spread the requests over their work instead (64 x 512 keys, 30 layers, interleaved A/B on the Xeon: the tile kernel 1.12x faster in bf16 and
- * 1.23x in fp8, the vector kernel 1.07x in fp32 and 1.09x in bf16; decode_attention_amx.c and paged_attention.c
- * say where they ask). */
+ * and a block's arithmetic waited on the next block's memory. The decode kernels spread the requests over their
+ * work instead (decode_attention_amx.c and paged_attention.c say where they ask). */
 #pragma once
 
 #include <stdint.h>
@@ -19,9 +17,7 @@ struct prefetch {
 };
 
 /* Where the lines go: into L1 on Intel, where that was measured (above); into L2 on AMD Zen, where requests into L1
- * held its few L1 miss buffers as well: the vector kernel on an EPYC (Zen 4), 64 x 512 keys, 30 layers, 64-token
- * blocks, interleaved, bf16 48-55 -> 34-40 ms and fp32 94-105 -> 65-74 with L2 requests in the same slices (requests
- * into L3 37-41 ms, non-temporal 46-48, all at once into L2 50-60, none 60). */
+ * held its few L1 miss buffers as well (docs/performance.md, "Measurements behind the code"). */
 static inline int prefetch_to_l2(void) {
     static int amd = -1; /* racing threads ask twice: harmless */
     if (amd < 0) amd = __builtin_cpu_is("amd");

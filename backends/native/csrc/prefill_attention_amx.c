@@ -4,7 +4,7 @@
  * products read: keys as they are stored, one row per key (the A operand of the scores), and values
  * transposed into key pairs per dimension (the A operand of the output), each step's 32 keys in a block of
  * their own, so that every value tile is 1 KB in one piece (with rows of all the keys, a tile's 16 rows lay
- * a multiple of 1 KB apart and fell into the same few L1 sets: the kernel 5% slower); 64 KB per 512 keys at
+ * a multiple of 1 KB apart and fell into the same few L1 sets); 64 KB per 512 keys at
  * head size 64, shared by all its query tiles. Then one task per (sequence, KV head, tile of 16 query rows: the
  * query tokens x the heads of the KV group, token-major, a token's heads split between tiles where 16 rows end
  * inside it: prefill_tasks.h) walks the keys 32 at a time. Its queries, as dimension pairs by row,
@@ -21,14 +21,8 @@
  * raises a maximum), in base 2, under flush-to-zero. Queries (read in place), values and the output change
  * layout by 16 x 16 transposes of 32-bit pairs in registers.
  * Each thread takes a run of tasks of about equal cost (prefill_share, prefill_tasks.h).
- * 4 x 512 tokens of SmolLM2's layout, random scores, interleaved A/B (Xeon, 2 cores): 0.81 ms per layer (0.92-0.97
- * with the next step's scores issued as a block before the softmax and its P V after it; 1.2 in
- * the step profile, on the model's own scores with cold caches; 1.2 here with tasks spread dynamically,
- * interleaving the threads' rows; 1.35 with a maximum pass in every step
- * and exp's rounding split from its remainder; 1.9 with a separate scale-and-mask pass, scores taken after the
- * softmax and scalar transposes; 2.3 rescaling the output in memory at every step); torch's flash kernel, which
- * the engine used before, 3.3-3.6; the vector kernel of paged_attention.c 5.5 (8.1 before its rows-as-lanes
- * design).
+ * What each of these choices gave, and torch's flash kernel beside it: docs/performance.md, "Measurements behind
+ * the code".
  * Built and loaded by cpu_kernels.py; attention/cpu_attention.py calls it.
  */
 
@@ -74,8 +68,7 @@ int prefill_attention_amx_supported(int64_t num_heads, int64_t num_kv_heads, int
  * row's sum of the step's probabilities passes e^RESCALE_SLACK (so one of them may have) are the step's maxima
  * taken, every row raised to its own where that is higher, the output rescaled and the step exponentiated again.
  * So probabilities stay under e^8 (fine in bf16 and in fp32 sums), the maxima cost a pass only where they move,
- * and the output, rescaled only on a raise, stays in the tiles (2.29 -> 1.96 ms per layer on 4 x 512 tokens
- * against rescaling it in memory at every step; a maximum pass in every step, 3% more). Probabilities are 2^t in base
+ * and the output, rescaled only on a raise, stays in the tiles. Probabilities are 2^t in base
  * 2 (exp2_probability, vector_math.h). */
 #define RESCALE_SLACK 8.0f
 

@@ -1,9 +1,8 @@
 /* Every decoder layer of a CPU step in one call: the CPU's counterpart of a CUDA graph.
  *
- * One decoded token of SmolLM2 reads ~270 MB of weights, ~10 ms at this machine's memory bandwidth; run layer
- * by layer from Python, the same step took ~14 ms: ~300 kernel calls through ctypes, each with its tensor
- * allocations and Python frames, while the other OpenMP threads wait. A 2048-token bf16 prefill step lost ~8% of
- * its time the same way. Here the same kernels run in the same order on the same buffers (so the step's results
+ * A decode step's time should be its weights' bytes from memory; run layer by layer from Python it also paid for
+ * hundreds of kernel calls through ctypes, each with its tensor allocations and Python frames, while the other
+ * OpenMP threads wait (fused_step.py). Here the same kernels run in the same order on the same buffers (so the step's results
  * are bit for bit the eager path's), called from C: per layer RMSNorm (+ residual), the fused q/k/v projection,
  * rotary embedding and the KV-cache write, attention (decodes, then prefill chunks), the output projection,
  * RMSNorm (+ residual), gate/up and SiLU-and-mul, down. Linear layers read their small-step copies, AMX tiles

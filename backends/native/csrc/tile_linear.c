@@ -1,10 +1,10 @@
 /* bf16 linear layers on the AMX tiles: out[m, n] = sum_k x[m, k] w[n, k], from the weight laid out as B tiles.
  *
  * Few rows (a decode step, up to STREAM_ROWS): a step streams every weight once and does little with it, so its
- * speed is the memory's. oneDNN's matmul on its own packed weights reads them at ~18 GB/s here at 1-16 rows (of
- * ~28 GB/s copy bandwidth): this kernel reads the weight as AMX B tiles that lie contiguously in memory, one
- * after the other as the tile products want them (tile_layout in linear.py), so each thread streams one run of
- * memory that the hardware prefetchers follow, and reaches ~26 GB/s at one row. The rows of x are the A tiles,
+ * speed is the memory's, and oneDNN's matmul on its own packed weights reads them well below the copy bandwidth:
+ * this kernel reads the weight as AMX B tiles that lie contiguously in memory, one after the other as the tile
+ * products want them (tile_layout in linear.py), so each thread streams one run of memory that the hardware
+ * prefetchers follow. The rows of x are the A tiles,
  * read in place (16 rows, or the remainder, by 32 columns). Per 16 output columns, up to 4 A tiles (64 rows)
  * share one B tile load. Output columns are spread over the process's OpenMP threads. Products are fp32 (the
  * tiles' accumulators), rounded once to bf16.
@@ -15,16 +15,14 @@
  * More rows (a prefill) are compute-bound: blocks of 32 rows x 32 columns, four accumulator tiles fed by two A
  * and two B tiles per 32 columns of k, the weight taken in chunks of columns that stay in L2 while every row
  * block passes them; the row block's A tiles stay in L1 across the chunk's columns, as the B tiles are loaded
- * with the no-reuse hint (without it, L2 -> L1 traffic bound the loop: qkv 3.3 -> 4.0 TFLOP/s). A block's accumulators
+ * with the no-reuse hint (without it, L2 -> L1 traffic bound the loop). A block's accumulators
  * are stored and rounded to bf16 while the next block's tile products run (the vector work overlaps the
  * tiles'), and SwiGLU's silu(gate) * up can be that rounding (tile_linear_silu_mul: no [m, 2I] intermediate), or
  * the residual add after a layer's last projection (tile_linear_add).
  * int8 weights take the blocked path too, every rounding included: each chunk is widened to bf16 once, by all
  * threads, into one of two shared buffers (the other holds the chunk being multiplied), and the rounding pass
- * scales the columns first; the widening (~2 ms of a 2048-token SmolLM2 step) is what int8 adds over bf16, where
- * dequantising the whole weight for oneDNN's matmul made int8 prefills slower than bf16's.
- * SmolLM2's projections in a 2048-token prefill step (Xeon, 2 cores): 3.2-3.9 TFLOP/s, where oneDNN's packed
- * matmul made 1.8-2.5 (its narrow outputs, 576 and 1536 columns, the slowest).
+ * scales the columns first; the widening is what int8 adds over bf16, where dequantising the whole weight for
+ * oneDNN's matmul made int8 prefills slower than bf16's.
  * CPUs with AVX512-BF16 but no tiles (AMD Zen 4) run the streaming path on vectors (stream_vectors), from the same
  * layout; there larger steps are oneDNN's (tile_linear_supported says which).
  * Built and loaded by cpu_kernels.py.
@@ -76,8 +74,7 @@ static inline __m512 column_scales(const void *scales, int64_t j, int scales_bf1
 #define T_X_REST 6
 #define T_REST 7
 /* int8 tiles are asked for this many tiles (4 KB) ahead: the widening between tile products left the
- * hardware prefetcher behind (SmolLM2's int8 layers at one row 7.9 -> 5.4 ms; 4 or 16 ahead were slower).
- * bf16 tiles stream without it, and asking ahead made them slower (10.4 -> 11.2 ms at one row). */
+ * hardware prefetcher behind. bf16 tiles stream without it, and asking ahead made them slower. */
 #define PF_TILES 8
 
 static void configure(int64_t rest) {
@@ -138,9 +135,8 @@ enum rounding { PRODUCTS, SILU_MUL, ADD_TO_OUT };
 /* One block's accumulators, stored, waiting to be rounded into out while the next block multiplies. Its 32 units
  * are its rows: row u's 32 outputs (tiles 2 (u / 16) and the next, row u % 16), one whole cache line of out, or
  * with SILU_MUL its 16 outputs silu(gate) * up (the block's first 16 columns are the gate's, the last 16 the
- * up's). Whole lines, rounded two vectors at once, against units of 16 outputs whose two half-line stores came
- * far apart: qkv 4.25 -> 4.50 TFLOP/s, o with the residual add 3.86 -> 4.15, down 3.42 -> 3.46 (30 layers'
- * weights, interleaved). */
+ * up's). Whole lines, rounded two vectors at once, beat units of 16 outputs whose two half-line stores came
+ * far apart. */
 #define UNITS 32
 struct pending {
     float acc[4][16][16] __attribute__((aligned(64)));
@@ -249,7 +245,7 @@ static int blocked_linear(const uint16_t *x, const void *w_tiles, int w_int8, co
                     const uint16_t *a = 32 * rb + 32 <= m ? x + 32 * rb * k : tail;
                     const int64_t t0 = block_tile_column(cb, 0, silu_mul, n), t1 = block_tile_column(cb, 1, silu_mul, n);
                     /* the next row block's rows (32 x k bf16: k cache lines) come into L2 while this one's
-                     * column blocks pass, a share of them per block (SmolLM2's layers 2-7% faster) */
+                     * column blocks pass, a share of them per block */
                     const int64_t share = (k + (c1 - c0) - 1) / (c1 - c0), first = (cb - c0) * share;
                     const int64_t lines = 32 * rb + 64 <= m && first < k ? (share < k - first ? share : k - first) : 0;
                     /* the block's two tile columns: in the widened chunk (int8), or in the weight */
