@@ -13,7 +13,7 @@ from backends.native.gpus import GPUS
 from gateway.cli_help import HelpCommand, HelpGroup
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup)
-FLEET, TRAFFIC = "The fleet", "Traffic"  # the sections of `sim run --help`
+FLEET, TRAFFIC, CONVERSATIONS = "The fleet", "Traffic", "Multi-turn conversations"  # `sim run --help`
 
 
 @app.command(cls=HelpCommand, epilog="""
@@ -125,24 +125,25 @@ def machine() -> str:
 
 
 def build_workload(requests: int, input_len: int, output_len: int | None, rate: float | None, arrivals: str,
-                   seed: int, prefix_len: int = 0, num_prefixes: int = 1, turns: int = 1, question_len: int = 64,
-                   think_time: float = 0.0, trace: Path | None = None, time_scale: float = 1.0,
-                   dataset: Path | None = None, tokenizer=None) -> list:
-    """The simulated requests the options describe: a trace, a load-test dataset (its prompts through
-    ``tokenizer``; its own output lengths unless ``output_len``), conversations (``turns`` > 1, the shared
-    system prompt ``prefix_len`` long), or single prompts (sharing ``prefix_len`` tokens within ``num_prefixes``
-    groups)."""
+                   seed: int, prefix_len: int = 0, num_prefixes: int = 1, users: int = 0, turns: int = 1,
+                   system_prompt_len: int = 0, question_len: int = 64, think_time: float = 0.0,
+                   trace: Path | None = None, time_scale: float = 1.0, dataset: Path | None = None,
+                   tokenizer=None) -> list:
+    """The simulated requests the options describe, named as the load tester names them: a trace, a load-test
+    dataset (its prompts through ``tokenizer``; its own output lengths unless ``output_len``), ``users``
+    conversations of ``turns`` turns sharing a ``system_prompt_len`` system prompt (started at ``rate``), or
+    ``requests`` single prompts (sharing ``prefix_len`` tokens within ``num_prefixes`` groups)."""
     from backends.sim import virtual
     from loadtest.schedule import Schedule, arrival_offsets
 
     if trace is not None:
         return virtual.trace_workload(trace, time_scale=time_scale, seed=seed)
-    if prefix_len >= input_len and turns == 1 and dataset is None:
+    if prefix_len >= input_len and not users and dataset is None:
         raise typer.BadParameter(f"the shared prefix ({prefix_len}) must be shorter than the prompt ({input_len})",
                                  param_hint="--prefix-len")
     try:
         schedule = Schedule(arrivals) if rate is not None else Schedule.burst
-        offsets = arrival_offsets(schedule, requests, rate=rate, seed=seed)
+        offsets = arrival_offsets(schedule, users or requests, rate=rate, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--arrivals") from None
     if dataset is not None:
@@ -151,10 +152,23 @@ def build_workload(requests: int, input_len: int, output_len: int | None, rate: 
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--dataset") from None
     output_len = output_len or 128
-    if turns > 1:
-        return virtual.conversation_workload(requests, turns, prefix_len, question_len, output_len, offsets,
+    if users:
+        return virtual.conversation_workload(users, turns, system_prompt_len, question_len, output_len, offsets,
                                              think_time, seed)
     return virtual.burst_workload(requests, input_len, output_len, offsets, seed, prefix_len, num_prefixes)
+
+
+def _conflict(ctx: typer.Context, users: int) -> str | None:
+    """Options that shape another kind of traffic than the one asked for, as the load tester refuses them."""
+    given = [name for name in ctx.params  # set by the user (typer vendors its own click: the source by name)
+             if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"]
+    if users and (shaping := [n for n in ("requests", "input_len", "prefix_len", "num_prefixes", "dataset", "trace")
+                              if n in given]):
+        return (f"--users sends --users x --turns conversation turns: drop "
+                f"{', '.join('--' + n.replace('_', '-') for n in shaping)}")
+    if not users and (talk := [n for n in ("turns", "system_prompt_len", "question_len", "think_time") if n in given]):
+        return f"{', '.join('--' + n.replace('_', '-') for n in talk)} shape conversations: add --users"
+    return None
 
 
 def routing_config(policy: str):
@@ -172,18 +186,19 @@ def routing_config(policy: str):
 burstgate sim run --model configs/llama-12.3b-gqa.json --profile h100 \\
     --replicas 64 --rate 200 --requests 20000 --routing cache_aware
 
-# multi-turn chat sharing a system prompt, two policies compared
+# 48 conversations of 6 turns sharing a 2,000-token system prompt
 burstgate sim run --model configs/llama-12.3b-gqa.json --replicas 8 \\
-    --turns 6 --prefix-len 2000 --rate 20 --routing round_robin
+    --users 48 --turns 6 --system-prompt-len 2000 --rate 4
 """)
 def run(
+    ctx: typer.Context,
     model: Annotated[Path, typer.Option(exists=True, metavar="PATH", help="HF directory, .gguf or config.json (only "
                                         "the config is read).", rich_help_panel=FLEET)],
     profile: Annotated[str, typer.Option(metavar="PROFILE", help="Device profile: h100, h200, a GPU type, a CPU "
                                          "profile, or a profile file.", rich_help_panel=FLEET)] = "h100",
     replicas: Annotated[int, typer.Option(min=1, metavar="N", help="Simulated replicas.", rich_help_panel=FLEET)] = 1,
     routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.", rich_help_panel=FLEET)] = "cache_aware",
-    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Requests (conversations with --turns).",
+    requests: Annotated[int, typer.Option(min=1, metavar="N", help="Single prompts (without --users).",
                                           rich_help_panel=TRAFFIC)] = 100,
     input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.", rich_help_panel=TRAFFIC)] = 512,
     output_len: Annotated[int | None, typer.Option(min=1, metavar="N", help="Output tokens (fixed; default 128, "
@@ -192,14 +207,20 @@ def run(
                                                rich_help_panel=TRAFFIC)] = None,
     arrivals: Annotated[str, typer.Option(metavar="KIND", help="Arrival process at --rate: poisson, constant or "
                                           "gamma (the load tester's).", rich_help_panel=TRAFFIC)] = "poisson",
-    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens shared by prompts of a group (with "
-                                            "--turns: the system prompt).", rich_help_panel=TRAFFIC)] = 0,
+    prefix_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens shared by the prompts of a group.",
+                                            rich_help_panel=TRAFFIC)] = 0,
     num_prefixes: Annotated[int, typer.Option(min=1, metavar="N", help="Groups sharing a prefix.", rich_help_panel=TRAFFIC)] = 1,
-    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Turns per conversation (each with the whole "
-                                       "history).", rich_help_panel=TRAFFIC)] = 1,
-    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each turn's question.", rich_help_panel=TRAFFIC)] = 64,
+    users: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn chat: this many conversations, each "
+                                       "turn carrying the whole history (the load tester's --users).",
+                                       rich_help_panel=CONVERSATIONS)] = 0,
+    turns: Annotated[int, typer.Option(min=1, metavar="N", help="Questions per conversation.",
+                                       rich_help_panel=CONVERSATIONS)] = 1,
+    system_prompt_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens of the system prompt every "
+                                                   "conversation shares.", rich_help_panel=CONVERSATIONS)] = 0,
+    question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each question.",
+                                              rich_help_panel=CONVERSATIONS)] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Seconds between an answer and the next "
-                                              "turn.", rich_help_panel=TRAFFIC)] = 0.0,
+                                              "question.", rich_help_panel=CONVERSATIONS)] = 0.0,
     trace: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
                                                help="A Mooncake-format trace instead.", rich_help_panel=TRAFFIC)] = None,
     time_scale: Annotated[float, typer.Option(min=0.0001, metavar="X", help="Trace times multiplied by X.", rich_help_panel=TRAFFIC)] = 1.0,
@@ -218,13 +239,17 @@ def run(
     from backends.native.config import EngineConfig, SimulationConfig
     from backends.sim.virtual import VirtualFleet, engine_tokenizer
 
+    if conflict := _conflict(ctx, users):
+        raise typer.BadParameter(conflict, param_hint="options")
+
     try:
         engine = EngineConfig(model_path=str(model), simulate=SimulationConfig(profile=profile, real_time=False),
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               tensor_parallel_size=tensor_parallel_size)
         tokenizer = engine_tokenizer(engine)
-        work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, turns,
-                              question_len, think_time, trace, time_scale, dataset, tokenizer)
+        work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, users,
+                              turns, system_prompt_len, question_len, think_time, trace, time_scale, dataset,
+                              tokenizer)
         fleet = VirtualFleet(engine, replicas, routing_config(routing), tokenizer, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

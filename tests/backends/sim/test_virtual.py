@@ -111,3 +111,36 @@ def test_a_request_no_replica_can_take_fails_as_a_400_would_and_the_rest_run(h10
     s = result.summary
     assert s["completed"] == 3 and s["failed"] == 1 and s["failures_by_kind"] == {"http_400": 1}
     assert "maximum context length" in result.records[0].error
+
+
+def test_sim_run_names_conversations_as_the_load_tester_does():
+    """`--users N --turns T --system-prompt-len S`: N conversations of T turns sharing S tokens of system prompt."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    result = CliRunner().invoke(app, ["sim", "run", "--model", DESIGN, "--replicas", "2", "--users", "3", "--turns",
+                                      "2", "--system-prompt-len", "256", "--question-len", "16", "--output-len", "4",
+                                      "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])["summary"]
+    assert summary["completed"] == 3 * 2 and summary["total_output_tokens"] == 3 * 2 * 4
+    assert summary["cached_token_rate"] > 0  # the shared system prompt and each conversation's history
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--turns", "3"], "add --users"),
+    (["--system-prompt-len", "100"], "add --users"),
+    (["--users", "2", "--requests", "5"], "drop --requests"),
+    (["--users", "2", "--prefix-len", "100"], "drop --prefix-len"),
+])
+def test_sim_run_refuses_options_of_another_kind_of_traffic(args, says):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    result = CliRunner().invoke(app, ["sim", "run", "--model", DESIGN, *args])
+    assert result.exit_code == 2
+    assert says in " ".join(result.output.split())
