@@ -53,8 +53,8 @@ class RemoteConfig(BaseModel):
     read_timeout_s: float = Field(300.0, gt=0)  # longest silence between two bytes from upstream
     # an https:// upstream: the CA bundle its certificate is checked against (default: the system's), and this
     # gateway's own certificate and key for servers that ask for one (mutual TLS); PEM files
-    ca_bundle: FilePath | None = None
-    client_cert: FilePath | None = None
+    ca_bundle: FilePath | None = None  # the CAs the upstream's certificate is checked against
+    client_cert: FilePath | None = None  # this gateway's certificate (and key, unless client_key)
     client_key: FilePath | None = None  # when the key is not in client_cert's file
     # the name the server's certificate must carry, where the URL names an address instead (a discovered replica:
     # its pod's IP, its certificate the Service's name); default: the URL's host

@@ -131,9 +131,7 @@ def _bounds(metadata: list) -> str:
 
 
 def _comment(model: type, name: str) -> str:
-    """The comment beside a field's declaration, after the comment lines above it; a field declared on the line after
-    another's, with no comment above it, shares the comment above that one (one comment for a group of fields)
-    unless that one has a comment of its own beside it."""
+    """The comment lines just above a field's declaration, then the comment beside it, in the class declaring it."""
     owner = next((c for c in model.__mro__ if name in inspect.get_annotations(c)), None)
     if owner is None:
         return ""
@@ -141,23 +139,16 @@ def _comment(model: type, name: str) -> str:
     lines = source.splitlines()
     comments = {tok.start[0]: tok.string.lstrip("# ").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    body = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)).body
-    above, previous_end = [], None
-    for node in body:
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            previous_end = None
-            continue
-        own, line = [], node.lineno - 1
-        while line in comments and lines[line - 1].lstrip().startswith("#"):
-            own.insert(0, comments[line])
-            line -= 1
-        if own or previous_end != node.lineno - 1:
-            above = own
-        beside = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
-        if node.target.id == name:
-            return " ".join(above + beside)
-        previous_end = None if beside else node.end_lineno  # a field with its own comment ends the group
-    return ""
+    node = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.AnnAssign)
+                 and isinstance(n.target, ast.Name) and n.target.id == name), None)
+    if node is None:
+        return ""
+    above, line = [], node.lineno - 1
+    while line in comments and lines[line - 1].lstrip().startswith("#"):
+        above.insert(0, comments[line])
+        line -= 1
+    beside = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+    return " ".join(above + beside)
 
 
 # --- command line ----------------------------------------------------------------------------------------------

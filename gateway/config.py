@@ -39,12 +39,12 @@ class _Deployment(_Strict):
     max_concurrency: int = Field(256, ge=1)  # requests in flight on this deployment
     max_queue: int = Field(1024, ge=0)  # requests waiting for a slot before 429
     # timeouts enforced by the gateway for every kind; None: no limit (a burst may queue for minutes)
-    first_token_timeout_s: float | None = Field(None, gt=0)
-    total_timeout_s: float | None = Field(None, gt=0)
+    first_token_timeout_s: float | None = Field(None, gt=0)  # until the first token
+    total_timeout_s: float | None = Field(None, gt=0)  # a request's whole answer
     # where this deployment's engine publishes its KV-cache events (vLLM's --kv-events-config endpoint, as a
     # reader connects to it: tcp://vllm-0:5557), and their topic: cache_aware routing follows them
     kv_events: str | None = None
-    kv_events_topic: str = ""
+    kv_events_topic: str = ""  # the ZMQ topic of those events
     # the replicas behind this deployment, found by DNS or the Kubernetes API (gateway/discovery/): this entry is
     # then their template, its url's host and port replaced by each replica's (and "{host}" in kv_events)
     discover: DiscoveryConfig | None = None
@@ -136,9 +136,8 @@ class ApiKey(_Strict):
     name: str = "default"  # shown in logs and in the rate-limit metric, never the key itself
     key: str | None = Field(None, repr=False)  # the key, or os.environ/NAME
     sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")  # instead of key: its SHA-256 hex digest
-    # requests and tokens (prompt + completion) per rate window (limits.window_s); None: unlimited
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
+    requests_per_minute: int | None = Field(None, ge=1)  # per rate window (limits.window_s); None: unlimited
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion, per window; None: unlimited
 
     @model_validator(mode="after")
     def _hash_now(self) -> ApiKey:
@@ -182,7 +181,7 @@ class Server(_Strict):
     # out (/ready is 503 at once), and requests in flight run to their end until drain_timeout_s after the
     # signal, then end with a 503 error; Kubernetes' terminationGracePeriodSeconds must cover both
     drain_grace_s: float = Field(0.0, ge=0)
-    drain_timeout_s: float = Field(120.0, gt=0)
+    drain_timeout_s: float = Field(120.0, gt=0)  # from SIGTERM to the end of the requests still running
 
     @model_validator(mode="after")
     def _grace_within_the_deadline(self) -> Server:

@@ -40,7 +40,7 @@ class TracingConfig(BaseModel):
     # an OTLP/HTTP collector's traces URL (http://collector:4318/v1/traces), or its gRPC address with
     # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc; None: no tracing
     otlp_traces_endpoint: str | None = None
-    service_name: str = "burstgate"
+    service_name: str = "burstgate"  # the spans' service.name
     sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces started here; a client's sampled flag is followed
 
 

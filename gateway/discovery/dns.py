@@ -23,7 +23,7 @@ class DNSDiscovery(DiscoverySource):
     name: str = Field(min_length=1)  # the name to resolve: a headless Service's, or any with an A/AAAA record per replica
     # "ADDRESS" or "ADDRESS:PORT" of the name servers to ask; default: the system's (/etc/resolv.conf)
     nameservers: list[str] | None = None
-    timeout_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)  # for one lookup
 
     async def addresses(self, default_port: int) -> set[Address]:
         resolver = self._resolver()

@@ -29,9 +29,9 @@ class KubernetesDiscovery(DiscoverySource):
     port_name: str | None = None  # the EndpointSlice port of this name; default: `port`, else the slice's first
     # default: in the cluster (KUBERNETES_SERVICE_HOST / _PORT, the service account's token and CA)
     api_server: str | None = None
-    token_file: Path | None = None
-    ca_file: Path | None = None
-    timeout_s: float = Field(5.0, gt=0)
+    token_file: Path | None = None  # the bearer token; default: the service account's
+    ca_file: Path | None = None  # the API server's CA; default: the service account's
+    timeout_s: float = Field(5.0, gt=0)  # for one request to the API server
 
     async def addresses(self, default_port: int) -> set[Address]:
         url = f"{self._api_server()}/apis/discovery.k8s.io/v1/namespaces/{self._namespace()}/endpointslices"

@@ -57,10 +57,12 @@ class CacheAwareConfig(PolicyConfig):
     # uncached prompt tokens one running or queued request is worth; 64 led 256 on every workload of
     # benchmarks/fleet_routing.py (docs/performance.md "Routing across replicas")
     load_cost_tokens: float = Field(64.0, ge=0)
+    # the imbalance guard (SGLang's): when the busiest candidate runs more than balance_abs_threshold requests over
+    # the idlest and more than balance_rel_threshold times its load, only those within the threshold stay
     balance_abs_threshold: int = Field(32, ge=0)
-    balance_rel_threshold: float = Field(1.5, ge=1)
-    kv_high_watermark: float = Field(0.95, gt=0, le=1)
-    tie_tokens: float = Field(16.0, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=1)  # see balance_abs_threshold
+    kv_high_watermark: float = Field(0.95, gt=0, le=1)  # a KV cache fuller than this takes nothing while another has room
+    tie_tokens: float = Field(16.0, ge=0)  # costs within this are ties: the session's last deployment wins
     index_blocks: int = Field(200_000, ge=1)  # blocks remembered per deployment (LRU)
     load_interval_s: float = Field(1.0, gt=0)  # how often the engines' /metrics are read
     events_timeout_s: float = Field(30.0, gt=0)  # KV events older than this: the index counts as approximate
