@@ -22,6 +22,7 @@ from gateway.service import Caller, Gateway
 
 log = logging.getLogger(__name__)
 RUNNING = ("queued", "in_progress")
+CANCEL_WAIT_S = 5.0  # how long a cancel waits for the replica running the response to store what it generated
 
 
 def not_found(response_id: str, param: str | None = None) -> GatewayError:
@@ -55,6 +56,8 @@ class Responses:
         self.gateway = gateway
         self.store = store
         self._background: dict[str, asyncio.Task] = {}
+        self._cancels: asyncio.Task | None = None  # follows cancellations announced by other replicas
+        self._listening = asyncio.Event()
 
     @classmethod
     def from_settings(cls, gateway: Gateway, settings: Settings) -> Responses:
@@ -67,9 +70,9 @@ class Responses:
     async def close(self) -> None:
         """Stop background responses (stored as cancelled) and release the store."""
         tasks = list(self._background.values())
-        for task in tasks:
+        for task in [*tasks, *([self._cancels] if self._cancels else [])]:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *([self._cancels] if self._cancels else []), return_exceptions=True)
         await self.store.close()
 
     # ---------------------------------------------------------------------------------------- create
@@ -130,6 +133,7 @@ class Responses:
     async def start_background(self, turn: Turn) -> dict[str, Any]:
         """Store ``turn`` as queued and answer it in a task of its own; the queued response now."""
         queued = turn.assembler.response("queued")
+        await self._follow_cancellations()
         await self.store.put(turn.owner, turn.record(queued))
         rid = turn.assembler.id
         self._background[rid] = asyncio.create_task(self._run_background(turn), name=f"response {rid}")
@@ -156,6 +160,27 @@ class Responses:
             await self._store_unless_ended(turn, final)
         except BackendError as exc:  # the store is unreachable: nothing else can be done with the answer
             log.error("background response %s ended %s but could not be stored: %s", a.id, final["status"], exc)
+
+    async def _follow_cancellations(self) -> None:
+        """With a store other replicas share, listen for the cancellations they announce (from this process's first
+        background response on), and return once none can be missed."""
+        if not self.store.shared:
+            return
+        if self._cancels is None:
+            self._cancels = asyncio.create_task(self._cancel_announced(), name="responses: cancellations")
+        with contextlib.suppress(TimeoutError):  # the store unreachable: the response is still taken
+            await asyncio.wait_for(self._listening.wait(), CANCEL_WAIT_S)
+
+    async def _cancel_announced(self) -> None:
+        while True:
+            try:
+                async for rid in self.store.cancellations(self._listening.set):
+                    if (task := self._background.get(rid)) is not None:
+                        task.cancel()  # it stores what it generated as cancelled
+            except BackendError as exc:
+                self._listening.clear()
+                log.warning("cancellations of background responses not followed (%s); trying again", exc)
+                await asyncio.sleep(1.0)
 
     async def _store_unless_ended(self, turn: Turn, response: dict[str, Any]) -> None:
         """Write a background turn's outcome unless it was cancelled or deleted meanwhile (from another replica)."""
@@ -184,23 +209,36 @@ class Responses:
 
     async def delete(self, caller: Caller, rid: str) -> dict[str, Any]:
         """Forget a stored response (a background one still running is cancelled first)."""
-        await self.retrieve(caller, rid)
-        await self._cancel_task(rid)
+        record = await self.retrieve(caller, rid)
+        if record.status in RUNNING and not await self._cancel_task(rid) and self.store.shared:
+            await self.store.announce_cancel(rid)  # another replica runs it: deleted once that one has stopped
+            await self._until_ended(caller, rid)
         await self.store.delete(caller.name, rid)
         return {"id": rid, "object": "response", "deleted": True}
 
     async def cancel(self, caller: Caller, rid: str) -> dict[str, Any]:
-        """Cancel a background response; one that has ended already is returned as it is."""
+        """Cancel a background response, here or on the replica running it; one that has ended already is returned
+        as it is."""
         record = await self.retrieve(caller, rid)
         if not record.response.get("background"):
             raise InvalidRequestError("Cannot cancel a synchronous response.", param="response_id")
         if record.status in RUNNING:
-            await self._cancel_task(rid)  # its task stores what it generated as cancelled
+            # here, its task stores what it generated as cancelled; elsewhere, that replica's task does
+            if not await self._cancel_task(rid) and self.store.shared:
+                await self.store.announce_cancel(rid)
+                await self._until_ended(caller, rid)
             record = await self.retrieve(caller, rid)
-            if record.status in RUNNING:  # not started yet, or running on another replica (which then keeps it)
+            if record.status in RUNNING:  # queued on a replica that has gone, or not running anywhere
                 record.response["status"] = "cancelled"
                 await self.store.put(caller.name, record)
         return record.response
+
+    async def _until_ended(self, caller: Caller, rid: str) -> None:
+        """Wait until the record is no longer running, for at most ``CANCEL_WAIT_S``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_WAIT_S
+        while (await self.retrieve(caller, rid)).status in RUNNING and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _cancel_task(self, rid: str) -> bool:
         task = self._background.get(rid)

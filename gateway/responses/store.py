@@ -4,7 +4,8 @@ Every record belongs to the API key that created it (``owner``): a key reads, co
 only its own, and any other id is "not found" (never "forbidden": ids of other keys are not confirmed to exist).
 Records expire ``retention_s`` after their last write. ``MemoryResponseStore`` keeps them in this process (and at
 most ``max_records``, oldest dropped first); ``RedisResponseStore`` in Redis, where every gateway replica finds
-them, so that a conversation may continue through any replica.
+them, so that a conversation may continue through any replica, and where a replica asked to cancel a background
+response that another replica runs announces it to them all (``announce_cancel``, ``cancellations``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import abc
 import json
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,6 +47,8 @@ class StoredResponse:
 class ResponseStore(abc.ABC):
     """Where stored responses live; one instance per gateway process."""
 
+    shared = False  # whether other gateway processes use the same records (and so may run their responses)
+
     def __init__(self, retention_s: float) -> None:
         self.retention_s = retention_s
 
@@ -59,6 +63,15 @@ class ResponseStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, owner: str, response_id: str) -> bool:
         """Remove ``owner``'s record; whether there was one."""
+
+    async def announce_cancel(self, response_id: str) -> None:  # noqa: B027 (a hook: no other process to tell)
+        """Ask whichever gateway process sharing this store runs ``response_id`` to stop it."""
+
+    async def cancellations(self, subscribed: Callable[[], None]) -> AsyncIterator[str]:
+        """The response ids announced to be cancelled, by any process sharing the store, for as long as it is open;
+        ``subscribed`` is called once none announced from then on can be missed. Only a shared store has any."""
+        raise NotImplementedError("only a shared store announces cancellations")
+        yield  # an async generator
 
     async def close(self) -> None:  # noqa: B027 (a hook: the memory store holds nothing to release)
         """Release connections."""
@@ -94,13 +107,19 @@ class MemoryResponseStore(ResponseStore):
 
 
 class RedisResponseStore(ResponseStore):
-    """One string key per record, ``burstgate:response:<owner>:<id>``, expiring with the record."""
+    """One string key per record, ``burstgate:response:<owner>:<id>``, expiring with the record; cancellations are
+    published on the channel ``burstgate:responses:cancel``."""
+
+    shared = True
+    CHANNEL = "burstgate:responses:cancel"
 
     def __init__(self, url: str, retention_s: float, timeout_s: float = 2.0) -> None:
         super().__init__(retention_s)
         import redis.asyncio as redis
 
         self._redis = redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # a subscriber waits for messages as long as there are none: a connection without the commands' timeout
+        self._subscriber = redis.from_url(url, socket_connect_timeout=timeout_s, health_check_interval=30)
         self._errors = (redis.ConnectionError, redis.TimeoutError)
 
     @staticmethod
@@ -117,6 +136,21 @@ class RedisResponseStore(ResponseStore):
     async def delete(self, owner: str, response_id: str) -> bool:
         return bool(await self._call(self._redis.delete, self._key(owner, response_id)))
 
+    async def announce_cancel(self, response_id: str) -> None:
+        await self._call(self._redis.publish, self.CHANNEL, response_id)
+
+    async def cancellations(self, subscribed: Callable[[], None]) -> AsyncIterator[str]:
+        pubsub = self._subscriber.pubsub()
+        try:
+            await self._call(pubsub.subscribe, self.CHANNEL)
+            subscribed()
+            while True:
+                message = await self._call(pubsub.get_message, ignore_subscribe_messages=True, timeout=None)
+                if message is not None and message["type"] == "message":
+                    yield message["data"].decode()
+        finally:
+            await pubsub.aclose()
+
     async def _call(self, method, *args, **kwargs):
         """A Redis command; Redis out of reach is a 503 (stored responses are not kept elsewhere meanwhile)."""
         try:
@@ -126,3 +160,4 @@ class RedisResponseStore(ResponseStore):
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._subscriber.aclose()

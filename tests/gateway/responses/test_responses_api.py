@@ -275,3 +275,41 @@ def test_gateway_replicas_share_stored_responses_through_redis(native_engine, en
             second = b.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
             assert a.responses.retrieve(second.id).previous_response_id == first.id
             assert sum(_decisions(two, "conversation").values()) == 1  # routed by the stored deployment
+
+
+def test_a_background_response_is_stopped_by_a_cancel_sent_to_another_replica(native_engine, engine_idle):
+    """Replica two cancels what replica one runs: one stops generating and stores what it had as cancelled."""
+    with redis_server() as redis_url:
+        _, server_one = _two_replicas(native_engine, responses={"redis_url": redis_url})
+        _, server_two = _two_replicas(native_engine, responses={"redis_url": redis_url})
+        with server_one as url_one, server_two as url_two, sdk(url_one) as a, sdk(url_two) as b:
+            r = a.responses.create(input="Count to a thousand.", background=True, model=MODEL, temperature=0,
+                                   max_output_tokens=900, extra_body={"ignore_eos": True})
+            _wait(b, r.id, ("in_progress",))
+            time.sleep(0.5)  # some tokens generated
+            cancelled = b.responses.cancel(r.id)
+            assert cancelled.status == "cancelled"
+            assert cancelled.output_text  # what replica one had generated, stored by replica one
+            assert a.responses.retrieve(r.id).status == "cancelled"
+            deadline = time.monotonic() + 10
+            while native_engine.has_unfinished():  # replica one's task stopped the generation
+                assert time.monotonic() < deadline, "the response still runs on replica one"
+                time.sleep(0.05)
+            assert len(a.responses.retrieve(r.id).output_text) == len(cancelled.output_text)
+
+
+def test_deleting_through_another_replica_stops_the_response_there(native_engine, engine_idle):
+    with redis_server() as redis_url:
+        _, server_one = _two_replicas(native_engine, responses={"redis_url": redis_url})
+        _, server_two = _two_replicas(native_engine, responses={"redis_url": redis_url})
+        with server_one as url_one, server_two as url_two, sdk(url_one) as a, sdk(url_two) as b:
+            r = a.responses.create(input="Count to a thousand.", background=True, model=MODEL, temperature=0,
+                                   max_output_tokens=900, extra_body={"ignore_eos": True})
+            _wait(b, r.id, ("in_progress",))
+            b.responses.delete(r.id)
+            deadline = time.monotonic() + 10
+            while native_engine.has_unfinished():
+                assert time.monotonic() < deadline, "the deleted response still runs on replica one"
+                time.sleep(0.05)
+            with pytest.raises(openai.NotFoundError):
+                a.responses.retrieve(r.id)
