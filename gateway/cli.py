@@ -461,7 +461,8 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
                   tensor_parallel_size: int | None,
                   max_num_seqs: int, gpu_memory_utilization: float, routing: str, max_replicas: int,
                   plot: Path | None, as_json: bool) -> None:
-    """``plan --slo``: per GPU type, the fewest replicas whose simulated fleet meets every SLO."""
+    """``plan --slo``: per GPU type, the fewest GPUs whose simulated fleet meets every SLO (replicas x tensor-parallel
+    size, every size a node takes tried unless --tensor-parallel-size fixes it)."""
     from backends.native.config import EngineConfig
     from backends.sim.capacity import parse_slo, plan_fleet
     from backends.sim.cli import build_workload, routing_config
@@ -500,8 +501,11 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
                else f"{rate:g} req/s ({input_len} in, {output_len} out)")
     typer.echo(f"{model.name}, {traffic}, {limits}, routing {routing} (simulated fleets, backends/sim):")
     for p in plans:
-        answer = f"{p.replicas} replicas x TP {p.tensor_parallel_size} = {p.gpus} GPUs" if p.replicas else p.why
-        typer.echo(f"  {p.gpu}: {answer}")
+        answer = (f"{p.replicas} replica{'s' if p.replicas > 1 else ''} x TP {p.tensor_parallel_size} = {p.gpus} "
+                  f"GPU{'s' if p.gpus > 1 else ''}" if p.replicas else p.why)
+        others = "; ".join(f"TP {o.tensor_parallel_size}: " + (f"{o.replicas} x {o.tensor_parallel_size} = {o.gpus}"
+                                                               if o.replicas else o.why) for o in p.others)
+        typer.echo(f"  {p.gpu}: {answer}" + (f" (also tried {others})" if others else ""))
         for point in p.curve:
             s = point.summary
             typer.echo(f"    {point.replicas:>3} replicas: {'meets' if point.meets else 'misses':<6}  output "

@@ -1,7 +1,8 @@
-"""How many replicas of a model, on which GPU type, carry a given traffic within an SLO: the static plan's
-tensor-parallel size per GPU type (the fewest GPUs per replica that hold the model), then the fewest replicas
-whose simulated fleet (``virtual.py``) meets every SLO, found by doubling and then bisection over the replica
-count (latency falls as replicas are added), with the curve behind the answer."""
+"""How many replicas of a model, on which GPU type, carry a given traffic within an SLO: for every tensor-parallel
+size from the fewest GPUs per replica that hold the model up to a node's, the fewest replicas whose simulated
+fleet (``virtual.py``) meets every SLO, found by doubling and then bisection over the replica count (latency falls
+as replicas are added); the answer is the size that needs the fewest GPUs in all (at equal counts, the one with
+more room under its SLOs), with the curve behind it and the other sizes beside it."""
 
 from __future__ import annotations
 
@@ -57,15 +58,23 @@ class FleetPlan:
     replicas: int | None  # the fewest that meet every SLO; None: not within max_replicas
     curve: list[FleetPoint] = field(default_factory=list)
     why: str = ""
+    others: list[FleetPlan] = field(default_factory=list)  # the other tensor-parallel sizes tried
 
     @property
     def gpus(self) -> int | None:
         return None if self.replicas is None else self.replicas * self.tensor_parallel_size
 
+    def headroom(self, slos: dict[str, float]) -> float:
+        """The chosen fleet's largest figure against its limit (lower: more room under the SLOs)."""
+        chosen = next(p for p in self.curve if p.replicas == self.replicas)
+        return max((chosen.summary[key] / limit for key, limit in slos.items()), default=0.0)
+
     def as_dict(self, slos: dict[str, float]) -> dict:
         return {"gpu": self.gpu, "tensor_parallel_size": self.tensor_parallel_size, "replicas": self.replicas,
                 "gpus": self.gpus, "why": self.why,
-                "curve": [{"replicas": p.replicas, "meets": p.meets, **p.figures(slos)} for p in self.curve]}
+                "curve": [{"replicas": p.replicas, "meets": p.meets, **p.figures(slos)} for p in self.curve],
+                "other_tensor_parallel_sizes": [{k: v for k, v in other.as_dict(slos).items() if k != "gpu"}
+                                                for other in self.others]}
 
 
 def meets(summary: dict, slos: dict[str, float]) -> bool:
@@ -97,27 +106,61 @@ def fewest_replicas(run: Callable[[int], dict], slos: dict[str, float], max_repl
 
 def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], slos: dict[str, float],
                routing: PolicyConfig, max_replicas: int = 64, tensor_parallel_size: int | None = None,
-               tokenizer: Tokenizer | None = None) -> FleetPlan:
-    """The fewest replicas of ``engine``'s model on the device ``profile`` names that serve ``requests`` within
-    ``slos``, each replica split across ``tensor_parallel_size`` GPUs (None: the static plan's choice for the
-    GPU type ``profile`` names, the fewest that hold the model); ``tokenizer``: the engines', if loaded already."""
-    from backends.native.planner import plan
+               tokenizer: Tokenizer | None = None, max_tensor_parallel_size: int = 8) -> FleetPlan:
+    """The fewest GPUs of the type ``profile`` names that serve ``requests`` within ``slos``: replicas of
+    ``engine``'s model, each split across ``tensor_parallel_size`` GPUs, or (None) across each size the model takes
+    from the fewest GPUs that hold it up to ``max_tensor_parallel_size`` (a node), the best of them returned with
+    the others in ``others``; ``tokenizer``: the engines', if loaded already."""
+    from backends.native.gpus import GPUS
+    from backends.native.parallel import check_tensor_parallel
+    from backends.native.planner import TP_SIZES, plan
     from backends.native.weights import open_checkpoint
 
-    tp = tensor_parallel_size
-    if tp is None:
-        static = plan(open_checkpoint(engine.model_path).config, profile, max_num_seqs=engine.max_num_seqs,
+    tokenizer = tokenizer or engine_tokenizer(engine)
+    if tensor_parallel_size is not None:
+        return _plan_at(engine, profile, requests, slos, routing, max_replicas, tensor_parallel_size, tokenizer)
+    config = open_checkpoint(engine.model_path).config
+    smallest = 1  # a profile of no GPU type: its replicas say themselves whether the model fits
+    if profile in GPUS:
+        static = plan(config, profile, max_num_seqs=engine.max_num_seqs,
                       max_num_batched_tokens=engine.max_num_batched_tokens)
         if not static.fits:
             return FleetPlan(profile, static.tensor_parallel_size, None, why=static.why or "the model does not fit")
-        tp = static.tensor_parallel_size
+        smallest = static.tensor_parallel_size
+    sizes = [tp for tp in TP_SIZES if smallest <= tp <= max_tensor_parallel_size
+             and _splits(check_tensor_parallel, config, tp)]
+    plans: list[FleetPlan] = []
+    for tp in sizes:
+        answered = [p for p in plans if p.gpus is not None]
+        fewest = min(answered, key=lambda p: p.gpus) if answered else None
+        limit = min(max_replicas, fewest.gpus // tp) if fewest else max_replicas  # never more GPUs than the best
+        if limit < 1:
+            break
+        plans.append(_plan_at(engine, profile, requests, slos, routing, limit, tp, tokenizer))
+        if plans[-1].replicas is None and fewest is not None and limit < max_replicas:
+            plans[-1].why = f"needs more GPUs than TP {fewest.tensor_parallel_size}'s {fewest.gpus}"
+    answered = [p for p in plans if p.replicas is not None]
+    best = min(answered, key=lambda p: (p.gpus, p.headroom(slos))) if answered else plans[0]
+    best.others = [p for p in plans if p is not best]
+    return best
+
+
+def _splits(check: Callable, config, tp: int) -> bool:
+    try:
+        check(config, tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _plan_at(engine: EngineConfig, profile: str, requests: list[SimRequest], slos: dict[str, float],
+             routing: PolicyConfig, max_replicas: int, tp: int, tokenizer: Tokenizer) -> FleetPlan:
     simulated = engine.model_copy(update={"simulate": SimulationConfig(profile=profile, real_time=False),
                                           "tensor_parallel_size": tp})
-    tokenizer = tokenizer or engine_tokenizer(engine)
 
     def run(replicas: int) -> dict:
         return VirtualFleet(simulated, replicas, routing, tokenizer).run(requests).summary
 
     replicas, curve = fewest_replicas(run, slos, max_replicas)
-    why = "" if replicas else f"{max_replicas} replicas do not meet the SLO"
+    why = "" if replicas else f"{max_replicas} replicas of TP {tp} do not meet the SLO"
     return FleetPlan(profile, tp, replicas, curve, why)

@@ -88,3 +88,19 @@ def test_plan_with_an_slo_answers_per_gpu_type_with_its_curve(tmp_path):
 def test_plan_with_an_slo_refuses_what_it_cannot_answer(args, message):
     result = CliRunner().invoke(app, ["plan", "--model", DESIGN, "--gpu", "h100", *args])
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_every_tensor_parallel_size_is_tried_and_the_fewest_gpus_win(tmp_path):
+    """On the constant-step profile a replica's speed does not grow with its GPUs, so splitting it only costs GPUs:
+    TP 1 wins with 4; TP 2 and TP 4, tried with at most those 4 GPUs (2 replicas, 1), miss."""
+    profile = str(constant_step_profile(tmp_path))
+    engine = EngineConfig(model_path=DESIGN, max_num_seqs=1)
+    requests = burst_workload(200, 32, 1, arrival_offsets(Schedule.constant, 200, rate=35.0))
+    result = plan_fleet(engine, profile, requests, {"p99_ttft_ms": 150.0}, RoundRobinConfig(), max_replicas=16,
+                        max_tensor_parallel_size=4)
+    assert (result.tensor_parallel_size, result.replicas, result.gpus) == (1, 4, 4)
+    assert [o.tensor_parallel_size for o in result.others] == [2, 4]
+    for other, most in zip(result.others, (2, 1)):
+        assert other.replicas is None and "more GPUs than TP 1's 4" in other.why
+        assert max(p.replicas for p in other.curve) == most
+
