@@ -334,7 +334,8 @@ def plan(
                                                "memory, bandwidth and bf16 peak); repeat to compare types.", rich_help_panel=MODEL_GPU)],
     dtype: Annotated[PlanDtype, typer.Option(help="Weights and KV cache dtype.", rich_help_panel=MODEL_GPU)] = PlanDtype.bfloat16,
     tensor_parallel_size: Annotated[int | None, typer.Option(min=1, metavar="N", help="GPUs per model; default: "
-                                                             "the fewest that fit.", rich_help_panel=MODEL_GPU)] = None,
+                                                             "the fewest that fit (with --slo: each size a node "
+                                                             "takes, the fewest GPUs in all).", rich_help_panel=MODEL_GPU)] = None,
     input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per sequence.", rich_help_panel=MODEL_GPU)] = 512,
     output_len: Annotated[int, typer.Option(min=1, metavar="N", help="Output tokens per sequence.", rich_help_panel=MODEL_GPU)] = 128,
     gpu_memory_utilization: Annotated[float, typer.Option(min=0.05, max=1.0, metavar="X",
