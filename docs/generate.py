@@ -80,7 +80,7 @@ def _model_section(model, where: str, queue: list) -> list[str]:
         bounds = _bounds(field.metadata)
         description = field.description or _comment(model, name) or _selector(field.annotation)
         cells = [f"`{name}`", _type(field.annotation) + (f" ({bounds})" if bounds else ""), default, description]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return [*lines, ""]
 
 
@@ -106,7 +106,7 @@ def _type(annotation) -> str:
     if origin is typing.Annotated:
         return _type(args[0])
     if origin is typing.Literal:
-        return " \\| ".join(f"`{a!r}`".replace("'", '"') for a in args)
+        return " | ".join(f"`{a!r}`".replace("'", '"') for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type(a) for a in args)
     if origin is not None:
@@ -193,12 +193,17 @@ def _command_section(path: tuple[str, ...], command) -> list[str]:
             continue
         flags, text = record
         sections.setdefault(getattr(param, "rich_help_panel", None) or GENERAL, []).append(
-            f"| `{flags}` | {text.replace('|', chr(92) + '|')} |")
+            f"| `{_cell(flags)}` | {_cell(text)} |")
     for section, rows in sections.items():
         lines += [f"**{section}**", "", "| Option | Meaning |", "|---|---|", *rows, ""]
     if command.epilog:
         lines += ["Examples:", "", "```bash", command.epilog.strip("\n"), "```", ""]
     return lines
+
+
+def _cell(text: str) -> str:
+    """``text`` inside a Markdown table cell: its pipes escaped (in code spans too: GitHub splits on them)."""
+    return text.replace("|", "\\|")
 
 
 # --- metrics ---------------------------------------------------------------------------------------------------
@@ -260,8 +265,8 @@ def results_page() -> str:
            "engine it names, interleaved round by round. Runs a later one replaced are listed apart, at the end. "
            "How the engine reached these figures, and what was tried on the way: the "
            "[engineering log](performance.md).", ""]
-    for title, renderer in RENDERERS:
-        rows = [line for name, data in current.items() for line in renderer(name, data)]
+    for title, renderers in RENDERERS:
+        rows = [line for render in renderers for name, data in current.items() for line in render(name, data)]
         if rows:
             out += [f"## {title}", "", *rows, ""]
     out += ["## Every result file", "", "| File | Machine | Date | Command |", "|---|---|---|---|"]
@@ -293,9 +298,9 @@ def _machine(data: dict) -> tuple[str, str]:
 def _index_row(name: str, data, replaced_by: str | None = None) -> str:
     machine, date = _machine(data) if isinstance(data, dict) else ("", "")
     command = data.get("command", "") if isinstance(data, dict) else ""
-    cells = [_link(name), *([f"`{replaced_by}`"] if replaced_by else []), machine, date,
-             f"`{command}`" if command else "-"]
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    cells = [_link(name), *([f"`{replaced_by}`"] if replaced_by else []), machine or "(not recorded)",
+             date or "(not recorded)", f"`{command}`" if command else "(not recorded)"]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _script(data) -> str:
@@ -349,6 +354,21 @@ def _text_table(key: str, script: str) -> Callable[[str, dict], list[str]]:
     return render
 
 
+def _cuda_engine(name: str, data: dict) -> list[str]:
+    if _script(data) != "benchmarks/cuda_engine.py":
+        return []
+    rows = []
+    if burst := data.get("smollm2_burst"):
+        rows.append(f"| SmolLM2 burst, output tok/s | {burst['engine_tok_s']:,.0f} (eager {burst['engine_eager_tok_s']:,.0f}) "
+                    f"| transformers {burst['transformers_tok_s']:,.0f} | {burst['engine_vs_transformers']:.1f}x |")
+    if design := data.get("design_12b"):
+        rows.append(f"| 12.3B batch-1 decode, ms per token | {design['graphs_s'] * 1e3:.1f} "
+                    f"({design['roofline_fraction']:.0%} of copy bandwidth) | eager {design['eager_s'] * 1e3:.1f} | - |")
+    machine, date = _machine(data)
+    return [f"{_link(name)} · {data.get('device', machine)} · {date} · `{data['command']}`", "",
+            "| What | Engine | Against | Ratio |", "|---|---|---|---|", *rows, ""]
+
+
 def _fidelity(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/sim_fidelity.py":
         return []
@@ -375,13 +395,14 @@ def _pipeline(name: str, data: dict) -> list[str]:
     return [*lines, ""]
 
 
-RENDERERS: list[tuple[str, Callable[[str, dict], list[str]]]] = [
-    ("Served bursts: every engine through its own HTTP server", _served_burst),
-    ("One request at a time", _single_stream),
-    ("GPU runs", _text_table("summary", "")),
-    ("Routing across replicas", _text_table("table", "benchmarks/fleet_routing.py")),
-    ("Simulator fidelity", _fidelity),
-    ("Pipeline and tensor parallelism on CPU", _pipeline),
+Renderer = Callable[[str, dict], list[str]]  # a result file's lines on the page, or none if not its kind
+RENDERERS: list[tuple[str, tuple[Renderer, ...]]] = [
+    ("Served bursts: every engine through its own HTTP server", (_served_burst,)),
+    ("One request at a time", (_single_stream,)),
+    ("GPU runs", (_text_table("summary", ""), _cuda_engine)),
+    ("Routing across replicas", (_text_table("table", "benchmarks/fleet_routing.py"),)),
+    ("Simulator fidelity", (_fidelity,)),
+    ("Pipeline and tensor parallelism on CPU", (_pipeline,)),
 ]
 
 

@@ -22,7 +22,7 @@ from loadtest.cli import app as loadtest_app
 
 app = typer.Typer(help="burstgate: OpenAI-compatible LLM gateway, native engine and burst load tester.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup, epilog="""
-burstgate serve                      # SmolLM2 at http://127.0.0.1:8000
+burstgate serve                         # SmolLM2 at http://127.0.0.1:8000
 burstgate serve --config gateway.yaml   # your vLLM / TGI / native fleet
 burstgate loadtest run --url http://127.0.0.1:8000 \\
     --model SmolLM2-135M-Instruct --preset paper

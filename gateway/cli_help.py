@@ -33,7 +33,8 @@ class HelpCommand(_Examples, TyperCommand):
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                sections.setdefault(getattr(param, "rich_help_panel", None) or GENERAL, []).append(record)
+                section = "Arguments" if param.param_type_name == "argument" else GENERAL
+                sections.setdefault(getattr(param, "rich_help_panel", None) or section, []).append(record)
         for name, rows in sections.items():
             with formatter.section(name):
                 formatter.write_dl(rows)

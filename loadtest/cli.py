@@ -144,7 +144,7 @@ def _unused(ctx: typer.Context) -> str | None:
     return None
 
 
-@app.command(cls=HelpCommand, epilog="""
+@app.command(cls=HelpCommand, short_help="Run one workload against every target and compare them.", epilog="""
 # the paper's burst (1000 prompts x 512 tokens at once) against one server
 burstgate loadtest run --url http://127.0.0.1:8000 \\
     --model SmolLM2-135M-Instruct --preset paper --output-len 128
@@ -393,7 +393,7 @@ burstgate loadtest report                       # the latest run
 burstgate loadtest report 20261127-101500-ab12 --out report/
 """)
 def report_cmd(
-    run_id: Annotated[str | None, typer.Argument(metavar="[RUN_ID]", help="Run id (default: the latest).")] = None,
+    run_id: Annotated[str | None, typer.Argument(metavar="RUN_ID", help="Run id (default: the latest).", show_default=False)] = None,
     db: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, metavar="FILE",
                                             help="SQLite results store (default: the user's data dir).")] = None,
     out: Annotated[Path | None, typer.Option(metavar="DIR", help="Also write summary.json, plots and report.html "
@@ -422,7 +422,7 @@ def report_cmd(
         console.print(f"wrote {out}/report.html")
 
 
-@app.command(cls=HelpCommand, epilog="""
+@app.command(cls=HelpCommand, short_help="One winner per server hardware, model and workload.", epilog="""
 burstgate loadtest leaderboard --slo-ttft-ms 2000
 """)
 def leaderboard(
@@ -452,7 +452,8 @@ def leaderboard(
     console.print(table)
 
 
-@app.command("recommend", cls=HelpCommand, epilog="""
+@app.command("recommend", cls=HelpCommand, short_help="The best target per hardware, model, workload and SLO.",
+             epilog="""
 burstgate loadtest recommend
 burstgate loadtest recommend --run 20261127-101500-ab12 \\
     --run 20261127-103000-cd34 --json
@@ -491,7 +492,7 @@ def _store(db: Path | None):
         raise typer.BadParameter(str(exc), param_hint="--db") from None
 
 
-@app.command("mock-server", cls=HelpCommand, epilog="""
+@app.command("mock-server", cls=HelpCommand, short_help="An instant OpenAI-compatible server.", epilog="""
 burstgate loadtest mock-server --port 8100 --ttft-ms 50 --itl-ms 10 \\
     --max-concurrency 64
 """)

@@ -115,12 +115,15 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
     from backends.native.parallel import check_tensor_parallel
     from backends.native.planner import TP_SIZES, plan
     from backends.native.weights import open_checkpoint
+    from backends.sim.profile import load_profile
 
-    tokenizer = tokenizer or engine_tokenizer(engine)
     if tensor_parallel_size is not None:
-        return _plan_at(engine, profile, requests, slos, routing, max_replicas, tensor_parallel_size, tokenizer)
+        return _plan_at(engine, profile, requests, slos, routing, max_replicas, tensor_parallel_size,
+                        tokenizer or engine_tokenizer(engine))
     config = open_checkpoint(engine.model_path).config
     smallest = 1  # a profile of no GPU type: its replicas say themselves whether the model fits
+    if load_profile(profile).memory_bytes is None:  # a CPU's: one process a replica, nothing to split over
+        max_tensor_parallel_size = 1
     if profile in GPUS:
         static = plan(config, profile, max_num_seqs=engine.max_num_seqs,
                       max_num_batched_tokens=engine.max_num_batched_tokens)
@@ -129,6 +132,7 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
         smallest = static.tensor_parallel_size
     sizes = [tp for tp in TP_SIZES if smallest <= tp <= max_tensor_parallel_size
              and _splits(check_tensor_parallel, config, tp)]
+    tokenizer = tokenizer or engine_tokenizer(engine)
     plans: list[FleetPlan] = []
     for tp in sizes:
         answered = [p for p in plans if p.gpus is not None]

@@ -16,7 +16,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=N
 FLEET, TRAFFIC, CONVERSATIONS = "The fleet", "Traffic", "Multi-turn conversations"  # `sim run --help`
 
 
-@app.command(cls=HelpCommand, epilog="""
+@app.command(cls=HelpCommand, short_help="The device profiles simulated replicas can run on.", epilog="""
 burstgate sim profiles
 """)
 def profiles() -> None:
@@ -32,7 +32,7 @@ def profiles() -> None:
                    + (error if fitted else " (derived)"))
 
 
-@app.command(cls=HelpCommand, epilog="""
+@app.command(cls=HelpCommand, short_help="Fit a device profile on measured steps.", epilog="""
 # a GPU's profile from a committed GPU run
 burstgate sim fit --gpu h200 --from benchmarks/results/gpu_check_h200.json \\
     --out h200.json
@@ -181,7 +181,7 @@ def routing_config(policy: str):
     return POLICIES[policy].Config()
 
 
-@app.command(cls=HelpCommand, epilog="""
+@app.command(cls=HelpCommand, short_help="A fleet of simulated replicas on a virtual clock.", epilog="""
 # 64 replicas of the design's 12.3B model on H100s, cache-aware routing
 burstgate sim run --model configs/llama-12.3b-gqa.json --profile h100 \\
     --replicas 64 --rate 200 --requests 20000 --routing cache_aware

@@ -57,7 +57,7 @@ class Responses:
         self.store = store
         self._background: dict[str, asyncio.Task] = {}
         self._cancels: asyncio.Task | None = None  # follows cancellations announced by other replicas
-        self._listening = asyncio.Event()
+        self._subscribed = asyncio.Event()  # set once subscribed (or once subscribing failed)
 
     @classmethod
     def from_settings(cls, gateway: Gateway, settings: Settings) -> Responses:
@@ -134,14 +134,21 @@ class Responses:
         """Store ``turn`` as queued and answer it in a task of its own; the queued response now."""
         queued = turn.assembler.response("queued")
         await self._follow_cancellations()
-        await self.store.put(turn.owner, turn.record(queued))
         rid = turn.assembler.id
-        self._background[rid] = asyncio.create_task(self._run_background(turn), name=f"response {rid}")
+        stored = asyncio.Event()  # registered before it is stored: a cancel announced right away finds its task
+        self._background[rid] = asyncio.create_task(self._run_background(turn, stored), name=f"response {rid}")
+        try:
+            await self.store.put(turn.owner, turn.record(queued))
+        except BaseException:
+            await self._cancel_task(rid)
+            raise
+        stored.set()
         return queued
 
-    async def _run_background(self, turn: Turn) -> None:
+    async def _run_background(self, turn: Turn, stored: asyncio.Event) -> None:
         a = turn.assembler
         try:
+            await stored.wait()
             await self.store.put(turn.owner, turn.record(a.response("in_progress")))
             async with contextlib.aclosing(turn.chunks) as chunks:
                 async for chunk in chunks:
@@ -163,24 +170,27 @@ class Responses:
 
     async def _follow_cancellations(self) -> None:
         """With a store other replicas share, listen for the cancellations they announce (from this process's first
-        background response on), and return once none can be missed."""
+        background response on), and return once none can be missed, or once the store has failed to subscribe
+        (the response is then taken all the same, and its store write says whether the store is there)."""
         if not self.store.shared:
             return
         if self._cancels is None:
             self._cancels = asyncio.create_task(self._cancel_announced(), name="responses: cancellations")
-        with contextlib.suppress(TimeoutError):  # the store unreachable: the response is still taken
-            await asyncio.wait_for(self._listening.wait(), CANCEL_WAIT_S)
+        await self._subscribed.wait()
 
     async def _cancel_announced(self) -> None:
         while True:
             try:
-                async for rid in self.store.cancellations(self._listening.set):
+                async for rid in self.store.cancellations(self._listening):
                     if (task := self._background.get(rid)) is not None:
                         task.cancel()  # it stores what it generated as cancelled
-            except BackendError as exc:
-                self._listening.clear()
-                log.warning("cancellations of background responses not followed (%s); trying again", exc)
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # any failure: said, and subscribed again
+                log.warning("cancellations of background responses not followed (%s); subscribing again", exc)
+            self._subscribed.set()  # waiting creates go on; their store writes report the store's state
+            await asyncio.sleep(1.0)
+
+    def _listening(self) -> None:
+        self._subscribed.set()
 
     async def _store_unless_ended(self, turn: Turn, response: dict[str, Any]) -> None:
         """Write a background turn's outcome unless it was cancelled or deleted meanwhile (from another replica)."""

@@ -144,8 +144,8 @@ class RedisResponseStore(ResponseStore):
         try:
             await self._call(pubsub.subscribe, self.CHANNEL)
             subscribed()
-            while True:
-                message = await self._call(pubsub.get_message, ignore_subscribe_messages=True, timeout=None)
+            while True:  # a finite wait, so that the connection's health is checked between messages
+                message = await self._call(pubsub.get_message, ignore_subscribe_messages=True, timeout=10.0)
                 if message is not None and message["type"] == "message":
                     yield message["data"].decode()
         finally:

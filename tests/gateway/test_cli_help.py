@@ -63,14 +63,14 @@ def test_help_reads_at_80_columns_and_shows_examples(path):
     assert _examples(text), "an Examples section with no command in it"
 
 
-@pytest.mark.parametrize("path", [path for path, command in COMMANDS if not _is_group(command)],
-                         ids=" ".join)
-def test_examples_name_only_options_the_command_has(path):
+@pytest.mark.parametrize("path", [path for path, _ in COMMANDS], ids=lambda p: " ".join(p) or "burstgate")
+def test_examples_name_only_commands_and_options_that_exist(path):
     commands = dict(COMMANDS)
     for example in _examples(_help(path)):
         words = [w for w in example if not w.startswith("-")]
         # the example's command: the longest known path its leading words spell
         target = max((p for p in commands if tuple(words[:len(p)]) == p), key=len)
+        assert not _is_group(commands[target]), f"burstgate {' '.join(example)}: no such command"
         known = {opt for param in commands[target].params for opt in (*param.opts, *param.secondary_opts)}
         unknown = [w.split("=")[0] for w in example if w.startswith("--") and w.split("=")[0] not in known]
         assert not unknown, f"burstgate {' '.join(example)}: {unknown}"
