@@ -8,6 +8,7 @@ backend kind or setting shows up here without code changes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import sys
@@ -49,13 +50,11 @@ def cpu_model() -> str:
 
 
 def _nvml_gpus() -> list[tuple[str, int]]:
+    nvml = _nvml()
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        return [(_text(pynvml.nvmlDeviceGetName(h)), int(pynvml.nvmlDeviceGetMemoryInfo(h).total)) for h in handles]
-    except Exception:  # no library, no driver, or no GPU
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())] if nvml else []
+        return [(_text(nvml.nvmlDeviceGetName(h)), int(nvml.nvmlDeviceGetMemoryInfo(h).total)) for h in handles]
+    except Exception:  # a driver that stopped answering
         return []
 
 
@@ -73,6 +72,38 @@ def _torch_gpus() -> list[tuple[str, int]]:
         return [(p.name, int(p.total_memory)) for p in props]
     except Exception:
         return []
+
+
+def gpu_memory_used() -> list[tuple[str, int]]:
+    """Each GPU's (name, bytes in use), the whole device's as nvidia-smi shows them: from NVML, else from torch where
+    an in-process engine loaded it; none on a machine without GPUs."""
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            return [(_text(nvml.nvmlDeviceGetName(h)), int(nvml.nvmlDeviceGetMemoryInfo(h).used)) for h in handles]
+        except Exception:  # a driver that stopped answering: no figure rather than a failed scrape
+            return []
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return []
+    used = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        used.append((torch.cuda.get_device_name(i), int(total - free)))
+    return used
+
+
+@functools.cache
+def _nvml():
+    """pynvml, initialised once; None without the library, a driver or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:
+        return None
 
 
 def _text(value: str | bytes) -> str:
@@ -133,6 +164,7 @@ def server_info(gateway) -> dict[str, Any]:
         burstgate = None
     devs = devices()
     return {"server": "burstgate", "version": burstgate, "hardware": describe(devs), "devices": devs,
+            "gpu_memory_used_bytes": [used for _, used in gpu_memory_used()],  # by GPU index, now
             "models": [{"name": g.name, "routing": g.routing,
                         "deployments": [deployment_info(d) for d in g.deployments]}
                        for g in gateway.groups.values()]}

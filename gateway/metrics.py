@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from backends.base import EngineStats
+from gateway.info import gpu_memory_used
 
 # Buckets as vLLM uses for TTFT / ITL / E2E.
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -24,7 +25,9 @@ _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, gpu_memory: Callable[[], list[tuple[str, int]]] | None = None) -> None:
+        """``gpu_memory``: each GPU's (name, bytes in use), read at every scrape (default: this machine's, from
+        gateway/info.py)."""
         self.registry = CollectorRegistry()
         r = self.registry
         labels = ("model", "backend")
@@ -63,6 +66,7 @@ class GatewayMetrics:
         ProcessCollector(registry=r)
         Gauge("burstgate:asyncio_tasks", "asyncio tasks alive in the serving loop.",
               registry=r).set_function(_asyncio_tasks)
+        r.register(_GpuCollector(gpu_memory or gpu_memory_used))
 
     def forget_deployment(self, model: str, name: str) -> None:
         """A discovered replica gone: its gauges go (it is neither healthy nor busy any more); its counters stay,
@@ -72,6 +76,7 @@ class GatewayMetrics:
                               (self.prefix_index_precise, (model, name))):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
+
 
     def watch_engines(self, engines: Callable[[], Iterable[tuple[str, str, EngineStats]]]) -> None:
         """Export the live figures of in-process engines; ``engines`` yields (model, backend, stats)."""
@@ -88,6 +93,21 @@ def _asyncio_tasks() -> float:
         return len(asyncio.all_tasks())
     except RuntimeError:  # scraped outside the serving loop
         return math.nan
+
+
+class _GpuCollector(Collector):
+    """GPU memory in use, for load testers comparing servers' memory against their load (the family is always
+    declared; a machine without GPUs has no samples)."""
+
+    def __init__(self, gpus: Callable[[], list[tuple[str, int]]]) -> None:
+        self.gpus = gpus
+
+    def collect(self):
+        used = GaugeMetricFamily("burstgate:gpu_memory_used_bytes", "GPU memory in use, the whole device's (as "
+                                 "nvidia-smi shows it), by GPU index.", labels=["gpu", "name"])
+        for index, (name, used_bytes) in enumerate(self.gpus()):
+            used.add_metric([str(index), name], float(used_bytes))
+        yield used
 
 
 class _ModelCollector(Collector):

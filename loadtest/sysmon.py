@@ -1,5 +1,6 @@
 """System sampling during a run: GPU memory/utilisation (NVML), a local server's CPU and RSS (psutil), the
-server's own KV-cache usage from its /metrics while the run goes, and its /metrics before and after."""
+server's own KV-cache usage and GPU memory from its /metrics while the run goes (a burstgate server exports its
+GPUs' memory, so a remote one's is charted too), and its /metrics before and after."""
 
 from __future__ import annotations
 
@@ -87,7 +88,10 @@ class Sampler:
             await asyncio.sleep(self.interval_s)
             sample = self.sample()
             if self.metrics is not None:
-                sample.kv_cache_usage = kv_cache_usage(await scrape_metrics(*self.metrics))
+                scraped = await scrape_metrics(*self.metrics)
+                sample.kv_cache_usage = kv_cache_usage(scraped)
+                if served := gpu_memory_used(scraped):  # the server's own GPUs, wherever it runs
+                    sample.gpu_memory_used = served
             self.samples.append(sample)
 
     def sample(self) -> Sample:
@@ -125,6 +129,19 @@ def kv_cache_usage(samples: dict[str, float]) -> float | None:
         if values:
             return max(values)
     return None
+
+
+GPU_MEMORY_GAUGE = "burstgate:gpu_memory_used_bytes"
+
+
+def gpu_memory_used(samples: dict[str, float]) -> list[int]:
+    """The server's GPU memory in use (bytes per GPU, by index) from scraped metrics; empty when it exports none."""
+    by_gpu = {}
+    for key, value in samples.items():
+        if key.startswith(GPU_MEMORY_GAUGE + "{"):
+            index = key.split('gpu="', 1)[1].split('"', 1)[0]
+            by_gpu[int(index)] = int(value)
+    return [by_gpu[i] for i in sorted(by_gpu)]
 
 
 async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:

@@ -178,6 +178,7 @@ class ServerInfo(BaseModel):
     version: str | None
     hardware: str
     devices: list[Device]
+    gpu_memory_used_bytes: list[int]  # by GPU index, when the request was answered
     models: list[ModelInfo]
 
 

@@ -21,6 +21,8 @@ def test_info_reports_the_devices_and_the_native_engine_settings_behind_the_keys
     cpu = info["devices"][0]
     assert cpu["kind"] == "cpu" and cpu["count"] == psutil.cpu_count() and cpu["memory_bytes"] > 0 and cpu["name"]
     assert info["hardware"] == describe(info["devices"])
+    gpus = [d for d in info["devices"] if d["kind"] == "cuda"]  # memory in use, one figure per GPU
+    assert len(info["gpu_memory_used_bytes"]) == sum(d["count"] for d in gpus)
     (model,) = info["models"]
     (deployment,) = model["deployments"]
     assert model["name"] == MODEL and deployment["kind"] == "native"

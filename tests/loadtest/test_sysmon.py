@@ -1,15 +1,18 @@
-"""Sampling during a run: the server's KV-cache usage gauge is read from its /metrics while the run goes."""
+"""Sampling during a run: the server's KV-cache usage and GPU memory gauges are read from its /metrics while the
+run goes."""
 
 from __future__ import annotations
 
 import asyncio
 
 import aiohttp
+import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from loadtest.sysmon import Sampler, kv_cache_usage
+from gateway.metrics import GatewayMetrics
+from loadtest.sysmon import Sampler, gpu_memory_used, kv_cache_usage
 from tests.servers import serve_app
 
 
@@ -36,6 +39,49 @@ def test_the_sampler_reads_the_gauge_while_the_run_goes():
     with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
         samples = asyncio.run(sample(url))
     assert [s.kv_cache_usage for s in samples[:3]] == [0.1, 0.4, 0.9]
+
+
+def test_the_sampler_charts_a_remote_burstgates_gpu_memory_from_its_metrics():
+    """A burstgate server exports each GPU's memory in use (burstgate:gpu_memory_used_bytes, by GPU index): the
+    sampler reads it there, so a server on another machine has its GPU memory charted too. The exposition is the
+    gateway's own (GatewayMetrics), fed the GPUs a machine here does not have."""
+    from prometheus_client import generate_latest
+
+    used = iter([(40e9, 2e9), (41e9, 3e9)] + [(42e9, 4e9)] * 100)
+
+    def gpus():
+        first, second = next(used)
+        return [("NVIDIA H100 80GB HBM3", int(first)), ("NVIDIA H100 80GB HBM3", int(second))]
+
+    exported = GatewayMetrics(gpu_memory=gpus)
+
+    async def metrics(_):
+        return PlainTextResponse(generate_latest(exported.registry).decode())
+
+    async def sample(url: str) -> list:
+        async with aiohttp.ClientSession() as client:
+            sampler = Sampler(None, 0.05, (client, url))
+            sampler.start()
+            await asyncio.sleep(0.4)
+            return await sampler.stop()
+
+    with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
+        samples = asyncio.run(sample(url))
+    assert [s.gpu_memory_used for s in samples[:2]] == [[40_000_000_000, 2_000_000_000],
+                                                        [41_000_000_000, 3_000_000_000]]
+
+
+def test_a_server_without_gpus_exports_the_gauge_without_samples():
+    from prometheus_client import generate_latest
+
+    from gateway.info import gpu_memory_used as this_machines
+
+    if this_machines():
+        pytest.skip("this machine has GPUs")
+    text = generate_latest(GatewayMetrics().registry).decode()  # this machine: no GPU
+    assert "# TYPE burstgate:gpu_memory_used_bytes gauge" in text
+    assert gpu_memory_used({"burstgate:asyncio_tasks": 3.0}) == []
+    assert not [line for line in text.splitlines() if line.startswith("burstgate:gpu_memory_used_bytes")]
 
 
 def test_a_servers_child_processes_count_towards_its_cpu():
