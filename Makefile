@@ -50,10 +50,10 @@ soak: install-dev
 # The documentation site (MkDocs Material): --strict fails on broken links and pages left out of the nav.
 docs: install-dev
 	$(PY) docs/generate.py --check
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 docs-serve: install-dev
-	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks
