@@ -308,13 +308,22 @@ def _script(data) -> str:
     return next((w for w in command.split() if w.endswith(".py")), "")
 
 
+def _caption(name: str, data: dict) -> str:
+    """A result file's line above its numbers: the file, the machine, the date and the command."""
+    machine, date = _machine(data)
+    command = f" · `{data['command']}`" if data.get("command") else ""
+    return f"{_link(name)} · {machine} · {date}{command}"
+
+
+def _table(name: str, data: dict, header: list[str], rows: list[str]) -> list[str]:
+    """A result file's numbers as a table of ``rows`` under its caption."""
+    return [_caption(name, data), "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows, ""]
+
+
 def _served_burst(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/served_burst.py":
         return []
-    machine, date = _machine(data)
-    lines = [f"{_link(name)} · {machine} · {date} · `{data['command']}`", "",
-             "| Workload | Engine | Output tok/s | vs vLLM | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = []
     for workload, targets in data["summary"].items():
         vllms = {t.rsplit("-", 1)[-1]: s["output_throughput"] for t, s in targets.items() if t.startswith("vllm")}
         for target, s in targets.items():  # against vLLM in the same dtype (the file's first vLLM otherwise)
@@ -323,20 +332,20 @@ def _served_burst(name: str, data: dict) -> list[str]:
             lines.append(f"| {workload} | {target} | {s['output_throughput']:.1f} | {ratio} | "
                          f"{s['median_ttft_ms']:.0f} / {s['p99_ttft_ms']:.0f} | "
                          f"{s['median_tpot_ms']:.1f} / {s.get('p99_tpot_ms', float('nan')):.1f} |")
-    return [*lines, ""]
+    return _table(name, data, ["Workload", "Engine", "Output tok/s", "vs vLLM", "TTFT p50 / p99 (ms)",
+                               "TPOT p50 / p99 (ms)"], lines)
 
 
 def _single_stream(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/single_stream.py":
         return []
-    machine, date = _machine(data)
-    lines = [f"{_link(name)} · {machine} · {date} · `{data['command']}`", "",
-             "| Engine | Decode tok/s | Bytes read per token | Share of the memory roofline |", "|---|---|---|---|"]
+    lines = []
     for target, s in data["summary"].items():
         share = f"{s['roofline_fraction']:.0%}" if s.get("roofline_fraction") else "-"
         read = f"{s['bytes_per_token'] / 1e6:.1f} MB" if s.get("bytes_per_token") else "-"
         lines.append(f"| {target} | {s['decode_tok_s']:.1f} | {read} | {share} |")
-    return [*lines, ""]
+    return _table(name, data, ["Engine", "Decode tok/s", "Bytes read per token", "Share of the memory roofline"],
+                  lines)
 
 
 def _text_table(key: str, script: str) -> Callable[[str, dict], list[str]]:
@@ -347,9 +356,7 @@ def _text_table(key: str, script: str) -> Callable[[str, dict], list[str]]:
             return []
         if not isinstance(data.get(key), list):
             return []
-        machine, date = _machine(data)
-        command = f" · `{data['command']}`" if data.get("command") else ""
-        return [f"{_link(name)} · {machine} · {date}{command}", "", "```", *map(str, data[key]), "```", ""]
+        return [_caption(name, data), "", "```", *map(str, data[key]), "```", ""]
 
     return render
 
@@ -364,35 +371,29 @@ def _cuda_engine(name: str, data: dict) -> list[str]:
     if design := data.get("design_12b"):
         rows.append(f"| 12.3B batch-1 decode, ms per token | {design['graphs_s'] * 1e3:.1f} "
                     f"({design['roofline_fraction']:.0%} of copy bandwidth) | eager {design['eager_s'] * 1e3:.1f} | - |")
-    machine, date = _machine(data)
-    return [f"{_link(name)} · {data.get('device', machine)} · {date} · `{data['command']}`", "",
-            "| What | Engine | Against | Ratio |", "|---|---|---|---|", *rows, ""]
+    return _table(name, data, ["What", "Engine", "Against", "Ratio"], rows)
 
 
 def _fidelity(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/sim_fidelity.py":
         return []
-    machine, date = _machine(data)
-    lines = [f"{_link(name)} · {machine} · {date} · `{data['command']}`", "",
-             "| Workload | Output tok/s | TTFT p50 | TTFT p99 | TPOT p50 |", "|---|---|---|---|---|"]
+    lines = []
     for workload, kinds in data["fidelity"].items():
         m = kinds["with_frontend"]
         cells = [f"{m[k]['ratio']:.2f}x" if k in m else "-"
                  for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
-    return [*lines, "", "Simulated / real, same workload, the simulator's fitted CPU profile.", ""]
+    return [*_table(name, data, ["Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"], lines),
+            "Simulated / real, same workload, the simulator's fitted CPU profile.", ""]
 
 
 def _pipeline(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/pipeline_stages.py":
         return []
-    machine, date = _machine(data)
     base = data["results"]["one process"]["output_tok_s"]
-    lines = [f"{_link(name)} · {machine} · {date} · `{data['command']}`", "",
-             "| Split | Output tok/s | vs one process |", "|---|---|---|"]
-    lines += [f"| {split} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / base:.2f}x |"
-              for split, r in data["results"].items()]
-    return [*lines, ""]
+    rows = [f"| {split} | {r['output_tok_s']:.1f} | {r['output_tok_s'] / base:.2f}x |"
+            for split, r in data["results"].items()]
+    return _table(name, data, ["Split", "Output tok/s", "vs one process"], rows)
 
 
 Renderer = Callable[[str, dict], list[str]]  # a result file's lines on the page, or none if not its kind

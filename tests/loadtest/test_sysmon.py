@@ -16,6 +16,15 @@ from loadtest.sysmon import Sampler, gpu_memory_used, kv_cache_usage
 from tests.servers import serve_app
 
 
+async def _sample(url: str) -> list:
+    """What a sampler reading ``url``'s /metrics every 50 ms took in 0.4 s."""
+    async with aiohttp.ClientSession() as client:
+        sampler = Sampler(None, 0.05, (client, url))
+        sampler.start()
+        await asyncio.sleep(0.4)
+        return await sampler.stop()
+
+
 def test_kv_cache_usage_is_the_fullest_engines_from_vllms_or_burstgates_gauge():
     assert kv_cache_usage({'vllm:kv_cache_usage_perc{engine="0"}': 0.2,
                            'vllm:kv_cache_usage_perc{engine="1"}': 0.7}) == 0.7
@@ -29,15 +38,8 @@ def test_the_sampler_reads_the_gauge_while_the_run_goes():
     async def metrics(_):
         return PlainTextResponse(f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {next(usage)}\n")
 
-    async def sample(url: str) -> list:
-        async with aiohttp.ClientSession() as client:
-            sampler = Sampler(None, 0.05, (client, url))
-            sampler.start()
-            await asyncio.sleep(0.4)
-            return await sampler.stop()
-
     with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
-        samples = asyncio.run(sample(url))
+        samples = asyncio.run(_sample(url))
     assert [s.kv_cache_usage for s in samples[:3]] == [0.1, 0.4, 0.9]
 
 
@@ -58,15 +60,8 @@ def test_the_sampler_charts_a_remote_burstgates_gpu_memory_from_its_metrics():
     async def metrics(_):
         return PlainTextResponse(generate_latest(exported.registry).decode())
 
-    async def sample(url: str) -> list:
-        async with aiohttp.ClientSession() as client:
-            sampler = Sampler(None, 0.05, (client, url))
-            sampler.start()
-            await asyncio.sleep(0.4)
-            return await sampler.stop()
-
     with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
-        samples = asyncio.run(sample(url))
+        samples = asyncio.run(_sample(url))
     assert [s.gpu_memory_used for s in samples[:2]] == [[40_000_000_000, 2_000_000_000],
                                                         [41_000_000_000, 3_000_000_000]]
 

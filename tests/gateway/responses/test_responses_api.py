@@ -5,6 +5,7 @@ isolation, tools and structured outputs, bad input as 400s and 404s, the store s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -265,51 +266,58 @@ def test_a_conversation_stays_on_the_replica_that_holds_it(native_engine, engine
     assert held[max(first, key=first.get)] == 3  # every later turn where the first was answered
 
 
-def test_gateway_replicas_share_stored_responses_through_redis(native_engine, engine_idle):
+@contextlib.contextmanager
+def _replicas_sharing_redis(native_engine):
+    """Two gateway replicas (each two deployments on the shared engine) storing responses in one real Redis: their
+    clients, and the second gateway."""
     with redis_server() as redis_url:
         _, server_one = _two_replicas(native_engine, responses={"redis_url": redis_url})
         two, server_two = _two_replicas(native_engine, responses={"redis_url": redis_url})
         with server_one as url_one, server_two as url_two, sdk(url_one) as a, sdk(url_two) as b:
-            first = a.responses.create(input="My name is Ada.", **GREEDY)
-            assert b.responses.retrieve(first.id).output_text == first.output_text
-            second = b.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
-            assert a.responses.retrieve(second.id).previous_response_id == first.id
-            assert sum(_decisions(two, "conversation").values()) == 1  # routed by the stored deployment
+            yield a, b, two
+
+
+def _long_background(client) -> str:
+    """A background response that generates for a long while; its id, once it runs."""
+    r = client.responses.create(input="Count to a thousand.", background=True, model=MODEL, temperature=0,
+                                max_output_tokens=900, extra_body={"ignore_eos": True})
+    _wait(client, r.id, ("in_progress",))
+    return r.id
+
+
+def _until_idle(engine, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_gateway_replicas_share_stored_responses_through_redis(native_engine, engine_idle):
+    with _replicas_sharing_redis(native_engine) as (a, b, two):
+        first = a.responses.create(input="My name is Ada.", **GREEDY)
+        assert b.responses.retrieve(first.id).output_text == first.output_text
+        second = b.responses.create(input="What is my name?", previous_response_id=first.id, **GREEDY)
+        assert a.responses.retrieve(second.id).previous_response_id == first.id
+        assert sum(_decisions(two, "conversation").values()) == 1  # routed by the stored deployment
 
 
 def test_a_background_response_is_stopped_by_a_cancel_sent_to_another_replica(native_engine, engine_idle):
     """Replica two cancels what replica one runs: one stops generating and stores what it had as cancelled."""
-    with redis_server() as redis_url:
-        _, server_one = _two_replicas(native_engine, responses={"redis_url": redis_url})
-        _, server_two = _two_replicas(native_engine, responses={"redis_url": redis_url})
-        with server_one as url_one, server_two as url_two, sdk(url_one) as a, sdk(url_two) as b:
-            r = a.responses.create(input="Count to a thousand.", background=True, model=MODEL, temperature=0,
-                                   max_output_tokens=900, extra_body={"ignore_eos": True})
-            _wait(b, r.id, ("in_progress",))
-            time.sleep(0.5)  # some tokens generated
-            cancelled = b.responses.cancel(r.id)
-            assert cancelled.status == "cancelled"
-            assert cancelled.output_text  # what replica one had generated, stored by replica one
-            assert a.responses.retrieve(r.id).status == "cancelled"
-            deadline = time.monotonic() + 10
-            while native_engine.has_unfinished():  # replica one's task stopped the generation
-                assert time.monotonic() < deadline, "the response still runs on replica one"
-                time.sleep(0.05)
-            assert len(a.responses.retrieve(r.id).output_text) == len(cancelled.output_text)
+    with _replicas_sharing_redis(native_engine) as (a, b, _):
+        rid = _long_background(a)
+        time.sleep(0.5)  # some tokens generated
+        cancelled = b.responses.cancel(rid)
+        assert cancelled.status == "cancelled"
+        assert cancelled.output_text  # what replica one had generated, stored by replica one
+        assert a.responses.retrieve(rid).status == "cancelled"
+        _until_idle(native_engine, "the response still runs on replica one")
+        assert len(a.responses.retrieve(rid).output_text) == len(cancelled.output_text)
 
 
 def test_deleting_through_another_replica_stops_the_response_there(native_engine, engine_idle):
-    with redis_server() as redis_url:
-        _, server_one = _two_replicas(native_engine, responses={"redis_url": redis_url})
-        _, server_two = _two_replicas(native_engine, responses={"redis_url": redis_url})
-        with server_one as url_one, server_two as url_two, sdk(url_one) as a, sdk(url_two) as b:
-            r = a.responses.create(input="Count to a thousand.", background=True, model=MODEL, temperature=0,
-                                   max_output_tokens=900, extra_body={"ignore_eos": True})
-            _wait(b, r.id, ("in_progress",))
-            b.responses.delete(r.id)
-            deadline = time.monotonic() + 10
-            while native_engine.has_unfinished():
-                assert time.monotonic() < deadline, "the deleted response still runs on replica one"
-                time.sleep(0.05)
-            with pytest.raises(openai.NotFoundError):
-                a.responses.retrieve(r.id)
+    with _replicas_sharing_redis(native_engine) as (a, b, _):
+        rid = _long_background(a)
+        b.responses.delete(rid)
+        _until_idle(native_engine, "the deleted response still runs on replica one")
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(rid)
