@@ -12,6 +12,12 @@ from typer.core import TyperCommand, TyperGroup
 GENERAL = "Options"  # the section of options declared without a panel (and --help)
 
 
+def given(ctx: click.Context, name: str) -> bool:
+    """Whether the user set option ``name`` (typer vendors its own click: the source compared by name)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
 class _Examples:
     """The epilog as an "Examples" section, its lines as written (click would rewrap them into a paragraph)."""
 

@@ -24,7 +24,7 @@ def devices() -> list[dict[str, Any]]:
     """The CPU (logical cores, RAM) and the GPUs grouped by name (count, memory per device, bytes)."""
     cpu = {"kind": "cpu", "name": cpu_model(), "count": os.cpu_count() or 1,
            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-    gpus = Counter(_nvml_gpus() or _torch_gpus())
+    gpus = Counter(_nvml_memory("total") or _torch_gpus())
     return [cpu] + [{"kind": "cuda", "name": name, "count": count, "memory_bytes": memory}
                     for (name, memory), count in gpus.items()]
 
@@ -49,12 +49,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _nvml_gpus() -> list[tuple[str, int]]:
+def _nvml_memory(kind: str) -> list[tuple[str, int]]:
+    """Each GPU's (name, bytes of memory ``kind``: ``total`` or ``used``) from NVML; none without it."""
     nvml = _nvml()
     try:
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())] if nvml else []
-        return [(_text(nvml.nvmlDeviceGetName(h)), int(nvml.nvmlDeviceGetMemoryInfo(h).total)) for h in handles]
-    except Exception:  # a driver that stopped answering
+        return [(_text(nvml.nvmlDeviceGetName(h)), int(getattr(nvml.nvmlDeviceGetMemoryInfo(h), kind)))
+                for h in handles]
+    except Exception:  # a driver that stopped answering: no figure rather than a failed request
         return []
 
 
@@ -77,21 +79,16 @@ def _torch_gpus() -> list[tuple[str, int]]:
 def gpu_memory_used() -> list[tuple[str, int]]:
     """Each GPU's (name, bytes in use), the whole device's as nvidia-smi shows them: from NVML, else from torch where
     an in-process engine loaded it; none on a machine without GPUs."""
-    nvml = _nvml()
-    if nvml is not None:
-        try:
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-            return [(_text(nvml.nvmlDeviceGetName(h)), int(nvml.nvmlDeviceGetMemoryInfo(h).used)) for h in handles]
-        except Exception:  # a driver that stopped answering: no figure rather than a failed scrape
-            return []
+    if used := _nvml_memory("used"):
+        return used
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
+    try:
+        if torch is None or not torch.cuda.is_available():
+            return []
+        return [(torch.cuda.get_device_name(i), int(total - free))
+                for i in range(torch.cuda.device_count()) for free, total in [torch.cuda.mem_get_info(i)]]
+    except Exception:
         return []
-    used = []
-    for i in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(i)
-        used.append((torch.cuda.get_device_name(i), int(total - free)))
-    return used
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backends.base import BackendError
-from gateway.cli_help import HelpCommand, HelpGroup
+from gateway.cli_help import HelpCommand, HelpGroup, given
 from loadtest import report, store, sysmon
 from loadtest.client import RequestOptions, Target
 from loadtest.extras import MissingExtraError, require
@@ -85,17 +85,11 @@ def _slos(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether the user set ``name`` (typer vendors its own click: compare the source by name)."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name != "DEFAULT"
-
-
 def _paper_conflicts(ctx: typer.Context, output_len: str) -> list[str]:
     """Options that would change the paper's workload (1000 x 512 tokens, burst, fixed output, ignore_eos)."""
     names = ("requests", "input_len", "schedule", "rate", "burstiness", "concurrency", "sweep_concurrency",
              "sweep_rate", "duration", "dataset", "prefix_len", "num_prefixes", "users")
-    bad = [f"--{n.replace('_', '-')}" for n in names if _given(ctx, n) and ctx.params[n] != PAPER.get(n, object())]
+    bad = [f"--{n.replace('_', '-')}" for n in names if given(ctx, n) and ctx.params[n] != PAPER.get(n, object())]
     if ":" in output_len:
         bad.append("--output-len LOW:HIGH (the paper's output length is fixed)")
     if ctx.params["ignore_eos"] is False:
@@ -109,32 +103,32 @@ def _unused(ctx: typer.Context) -> str | None:
     if p["trace"] is not None:
         shaped = ("requests", "input_len", "output_len", "dataset", "prefix_len", "users", "schedule", "rate",
                   "burstiness", "sweep_rate", "sweep_concurrency", "preset")
-        if given := [f"--{n.replace('_', '-')}" for n in shaped if _given(ctx, n)]:
-            return f"{', '.join(given)}: a --trace sets its own requests, lengths and times (--time-scale stretches them)"
-    elif _given(ctx, "time_scale") or _given(ctx, "trace_block_size") or p["schedule"] is Schedule.trace:
+        if named := [f"--{n.replace('_', '-')}" for n in shaped if given(ctx, n)]:
+            return f"{', '.join(named)}: a --trace sets its own requests, lengths and times (--time-scale stretches them)"
+    elif given(ctx, "time_scale") or given(ctx, "trace_block_size") or p["schedule"] is Schedule.trace:
         return "--time-scale, --trace-block-size and --schedule trace replay a --trace: add one"
     if p["sweep"] or p["capacity"]:
         if p["sweep"] and p["capacity"]:
             return "--sweep and --capacity each choose the rates: give one"
-        if given := [f"--{n.replace('_', '-')}" for n in ("rate", "concurrency", "sweep_rate", "sweep_concurrency",
-                                                          "users", "trace", "preset") if _given(ctx, n)]:
-            return f"{', '.join(given)}: --sweep and --capacity choose the rates of independent requests themselves"
+        if named := [f"--{n.replace('_', '-')}" for n in ("rate", "concurrency", "sweep_rate", "sweep_concurrency",
+                                                          "users", "trace", "preset") if given(ctx, n)]:
+            return f"{', '.join(named)}: --sweep and --capacity choose the rates of independent requests themselves"
         if p["capacity"] and not p["goodput"]:
             return "--capacity searches the highest rate meeting an SLO: add --goodput ttft:MS (or tpot:MS, e2el:MS)"
-    if not p["capacity"] and (_given(ctx, "attainment") or _given(ctx, "precision")):
+    if not p["capacity"] and (given(ctx, "attainment") or given(ctx, "precision")):
         return "--attainment and --precision shape a --capacity search: add --capacity"
-    if p["dataset"] is not None and (_given(ctx, "input_len") or p["prefix_len"]):
+    if p["dataset"] is not None and (given(ctx, "input_len") or p["prefix_len"]):
         return "--input-len and --prefix-len shape synthetic prompts, not a --dataset's"
-    if _given(ctx, "num_prefixes") and not p["prefix_len"]:
+    if given(ctx, "num_prefixes") and not p["prefix_len"]:
         return "--num-prefixes needs --prefix-len"
     if p["sweep_rate"] and p["rate"] is not None:
         return "--sweep-rate sets the rate of each point: drop --rate"
     if p["sweep_concurrency"] and p["concurrency"] is not None:
         return "--sweep-concurrency sets the concurrency of each point: drop --concurrency"
     conversational = ("turns", "system_prompt_len", "question_len", "think_time")
-    if p["users"] and (_given(ctx, "requests") or _given(ctx, "input_len") or p["dataset"] or p["prefix_len"]):
+    if p["users"] and (given(ctx, "requests") or given(ctx, "input_len") or p["dataset"] or p["prefix_len"]):
         return "--users sends --users x --turns conversation turns: drop --requests, --input-len, --dataset, --prefix-len"
-    if not p["users"] and any(_given(ctx, n) for n in conversational):
+    if not p["users"] and any(given(ctx, n) for n in conversational):
         return "--turns, --system-prompt-len, --question-len and --think-time shape conversations: add --users"
     if p["users"] and p["endpoint"] is not Endpoint.chat:
         return "--users sends multi-turn chat: add --endpoint chat"

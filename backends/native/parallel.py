@@ -51,6 +51,15 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
                          f"{config.intermediate_size}")
 
 
+def can_split(config: ModelConfig, size: int) -> bool:
+    """Whether ``config`` can be split across ``size`` tensor-parallel ranks (``check_tensor_parallel`` says why not)."""
+    try:
+        check_tensor_parallel(config, size)
+    except ValueError:
+        return False
+    return True
+
+
 def stage_layers(num_layers: int, size: int, partition: list[int] | None = None) -> list[range]:
     """The layers of each of ``size`` pipeline stages: ``partition`` (layers per stage), else vLLM's
     ``VLLM_PP_LAYER_PARTITION``, else even shares with the remainder one each to the stages just before the

@@ -11,6 +11,7 @@ traffic between GPUs is left out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from backends.native.config import DTYPE_NAMES, ModelConfig, torch_dtype_named
 from backends.native.gpus import GPU, GPUS
 from backends.native.model_runner import kv_bytes_per_block, kv_cache_blocks, local_config
-from backends.native.parallel import check_tensor_parallel
+from backends.native.parallel import can_split, check_tensor_parallel
 
 TP_SIZES = (1, 2, 4, 8)
 CUDA_CONTEXT_BYTES = 1 << 30  # CUDA context, cuBLAS workspaces, graph pools: what profiling finds beyond torch
@@ -92,11 +93,7 @@ def plan(config: ModelConfig, gpu_name: str, dtype: str = "bfloat16", tensor_par
         return _plan_at(config, GPUS[gpu_name], gpu_name, torch_dtype_named(dtype), tensor_parallel_size, input_len, output_len,
                         gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs)
     plans = []
-    for tp in TP_SIZES:
-        try:
-            check_tensor_parallel(config, tp)
-        except ValueError:
-            continue
+    for tp in filter(functools.partial(can_split, config), TP_SIZES):
         plans.append(_plan_at(config, GPUS[gpu_name], gpu_name, torch_dtype_named(dtype), tp, input_len, output_len,
                               gpu_memory_utilization, block_size, max_num_batched_tokens, max_num_seqs))
         if plans[-1].fits:

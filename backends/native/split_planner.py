@@ -21,6 +21,7 @@ GPU (backends/sim): what it is for is the comparison between layouts, whose diff
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from backends.native.config import ModelConfig, torch_dtype_named
 from backends.native.gpus import GPU, GPUS, INTERCONNECTS, Interconnect
 from backends.native.model_runner import kv_bytes_per_block
-from backends.native.parallel import check_tensor_parallel, stage_layers
+from backends.native.parallel import can_split, stage_layers
 from backends.native.planner import CUDA_CONTEXT_BYTES, activation_bytes, layer_parameters, weight_bytes_per_gpu
 
 
@@ -129,11 +130,7 @@ def plan_split(config: ModelConfig, gpu_name: str, gpus: int, burst: Burst = Bur
         if name not in INTERCONNECTS:
             raise ValueError(f"unknown interconnect {name!r}; choose one of {', '.join(INTERCONNECTS)}")
     layouts = []
-    for tp in _divisors(gpus):
-        try:
-            check_tensor_parallel(config, tp)
-        except ValueError:
-            continue
+    for tp in filter(functools.partial(can_split, config), _divisors(gpus)):
         for pp in _divisors(gpus // tp):
             if pp <= config.num_layers:
                 layouts.append(_estimate(config, gpu, torch_dtype_named(dtype), tp, pp, gpus // (tp * pp), burst,

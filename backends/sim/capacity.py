@@ -112,7 +112,7 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
     from the fewest GPUs that hold it up to ``max_tensor_parallel_size`` (a node), the best of them returned with
     the others in ``others``; ``tokenizer``: the engines', if loaded already."""
     from backends.native.gpus import GPUS
-    from backends.native.parallel import check_tensor_parallel
+    from backends.native.parallel import can_split
     from backends.native.planner import TP_SIZES, plan
     from backends.native.weights import open_checkpoint
     from backends.sim.profile import load_profile
@@ -131,7 +131,7 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
             return FleetPlan(profile, static.tensor_parallel_size, None, why=static.why or "the model does not fit")
         smallest = static.tensor_parallel_size
     sizes = [tp for tp in TP_SIZES if smallest <= tp <= max_tensor_parallel_size
-             and _splits(check_tensor_parallel, config, tp)]
+             and can_split(config, tp)]
     tokenizer = tokenizer or engine_tokenizer(engine)
     plans: list[FleetPlan] = []
     for tp in sizes:
@@ -147,14 +147,6 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
     best = min(answered, key=lambda p: (p.gpus, p.headroom(slos))) if answered else plans[0]
     best.others = [p for p in plans if p is not best]
     return best
-
-
-def _splits(check: Callable, config, tp: int) -> bool:
-    try:
-        check(config, tp)
-    except ValueError:
-        return False
-    return True
 
 
 def _plan_at(engine: EngineConfig, profile: str, requests: list[SimRequest], slos: dict[str, float],

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from backends.native.gpus import GPUS
-from gateway.cli_help import HelpCommand, HelpGroup
+from gateway.cli_help import HelpCommand, HelpGroup, given
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None, cls=HelpGroup)
 FLEET, TRAFFIC, CONVERSATIONS = "The fleet", "Traffic", "Multi-turn conversations"  # `sim run --help`
@@ -160,13 +160,12 @@ def build_workload(requests: int, input_len: int, output_len: int | None, rate: 
 
 def _conflict(ctx: typer.Context, users: int) -> str | None:
     """Options that shape another kind of traffic than the one asked for, as the load tester refuses them."""
-    given = [name for name in ctx.params  # set by the user (typer vendors its own click: the source by name)
-             if (source := ctx.get_parameter_source(name)) is not None and source.name != "DEFAULT"]
+    set_here = [name for name in ctx.params if given(ctx, name)]
     if users and (shaping := [n for n in ("requests", "input_len", "prefix_len", "num_prefixes", "dataset", "trace")
-                              if n in given]):
+                              if n in set_here]):
         return (f"--users sends --users x --turns conversation turns: drop "
                 f"{', '.join('--' + n.replace('_', '-') for n in shaping)}")
-    if not users and (talk := [n for n in ("turns", "system_prompt_len", "question_len", "think_time") if n in given]):
+    if not users and (talk := [n for n in ("turns", "system_prompt_len", "question_len", "think_time") if n in set_here]):
         return f"{', '.join('--' + n.replace('_', '-') for n in talk)} shape conversations: add --users"
     return None
 
