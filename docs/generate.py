@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import json
@@ -135,12 +136,8 @@ def _comment(model: type, name: str) -> str:
     owner = next((c for c in model.__mro__ if name in inspect.get_annotations(c)), None)
     if owner is None:
         return ""
-    source = textwrap.dedent("".join(inspect.getsourcelines(owner)[0]))
-    lines = source.splitlines()
-    comments = {tok.start[0]: tok.string.lstrip("# ").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    node = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.AnnAssign)
-                 and isinstance(n.target, ast.Name) and n.target.id == name), None)
+    lines, comments, fields = _class_source(owner)
+    node = fields.get(name)
     if node is None:
         return ""
     above, line = [], node.lineno - 1
@@ -149,6 +146,17 @@ def _comment(model: type, name: str) -> str:
         line -= 1
     beside = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
     return " ".join(above + beside)
+
+
+@functools.cache
+def _class_source(cls: type) -> tuple[list[str], dict[int, str], dict[str, ast.AnnAssign]]:
+    """A class's source lines, its comments by line, and its annotated fields by name (read once per class)."""
+    source = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
+    comments = {tok.start[0]: tok.string.lstrip("# ").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    fields = {n.target.id: n for n in ast.walk(ast.parse(source))
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return source.splitlines(), comments, fields
 
 
 # --- command line ----------------------------------------------------------------------------------------------

@@ -181,16 +181,13 @@ class Responses:
     async def _cancel_announced(self) -> None:
         while True:
             try:
-                async for rid in self.store.cancellations(self._listening):
+                async for rid in self.store.cancellations(self._subscribed.set):
                     if (task := self._background.get(rid)) is not None:
                         task.cancel()  # it stores what it generated as cancelled
             except Exception as exc:  # any failure: said, and subscribed again
                 log.warning("cancellations of background responses not followed (%s); subscribing again", exc)
             self._subscribed.set()  # waiting creates go on; their store writes report the store's state
             await asyncio.sleep(1.0)
-
-    def _listening(self) -> None:
-        self._subscribed.set()
 
     async def _store_unless_ended(self, turn: Turn, response: dict[str, Any]) -> None:
         """Write a background turn's outcome unless it was cancelled or deleted meanwhile (from another replica)."""
