@@ -195,6 +195,9 @@ class GenerationRequest:
     echo: bool = False
     user: str | None = None  # the client's end-user id: forwarded to OpenAI-style servers, changes no output
     extra: dict[str, Any] = field(default_factory=dict)
+    # the Responses API request this one serves, whole (the conversation in its ``input``), for a server that
+    # serves /v1/responses itself; the messages above say the same, for every other backend
+    responses: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

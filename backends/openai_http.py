@@ -10,13 +10,22 @@ forwarded as the client sent it, for the server to honour or refuse. Structured 
 ``response_format`` when it can say them (JSON schema, JSON object) and as vLLM's ``structured_outputs``
 otherwise; tools, ``n``, ``logit_bias``, ``echo`` and ``prompt_logprobs`` go as they are, and choices,
 tool calls, stop reasons and prompt logprobs come back into the chunks.
+
+A Responses API turn is relayed to the server's own ``/v1/responses`` where it has one (``responses_api``): the
+gateway keeps what makes that API stateful (stored responses, ``previous_response_id``, background runs,
+cancellation, routing to where the conversation is held), so the server gets each turn whole, the conversation in
+its ``input``, streamed and with ``store: false``. Its typed events are read back into chunks (text deltas with
+their logprobs, function calls and their argument deltas, the finish and usage of ``response.completed``): a
+relayed answer goes through the same assembly, metrics, limits and retries as one served over chat completions
+and looks the same to the client whichever deployment answered. Items the gateway's Responses API does not write
+(reasoning) are not passed on.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from backends.base import (
     Backend,
@@ -36,21 +45,31 @@ from backends.base import (
 )
 from backends.http import DONE, HTTPClient, RemoteConfig, json_body, sse_events, transport_errors
 
+ResponsesAPI = Literal["auto", "relay", "chat"]
+
 
 class OpenAIHTTPBackend(Backend):
-    def __init__(self, model_name: str, cfg: RemoteConfig, url: str | None = None) -> None:
-        """``url`` replaces ``cfg.url`` (a text server's OpenAI route beside its native one)."""
+    def __init__(self, model_name: str, cfg: RemoteConfig, url: str | None = None,
+                 responses_api: ResponsesAPI = "chat") -> None:
+        """``url`` replaces ``cfg.url`` (a text server's OpenAI route beside its native one); ``responses_api``:
+        how Responses API turns reach the server (relayed to its /v1/responses, over chat, or "auto": relayed
+        where it has the route)."""
         url = url or cfg.url
         self.name = f"openai:{url}"
         self.base_url = url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
         self._http = HTTPClient(self.base_url, cfg, self.name)
+        self._relays: bool | None = {"relay": True, "chat": False}.get(responses_api)  # None: not asked yet
 
     async def close(self) -> None:
         await self._http.close()
 
     # ----------------------------------------------------------------------------------- protocol
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        if request.responses is not None and await self.relays_responses():
+            async for chunk in self._relay_responses(request.responses):
+                yield chunk
+            return
         chat = request.messages is not None
         body = self._body(request, chat)
         path = "/chat/completions" if chat else "/completions"
@@ -66,6 +85,25 @@ class OpenAIHTTPBackend(Backend):
 
     async def health(self) -> bool:
         return await self._http.ok("/models")
+
+    async def relays_responses(self) -> bool:
+        """Whether Responses API turns go to the server's own /v1/responses: as configured, or as the server
+        answers a GET there (405: the POST-only route exists; 404: it does not). Asked once; an answer that
+        says neither (a proxy's error page) is not kept, and that turn goes over chat."""
+        if self._relays is None:
+            status = (await self._http.call("GET", "/responses", timeout_s=5.0)).status
+            if status in (404, 405):
+                self._relays = status == 405
+            return status == 405
+        return self._relays
+
+    async def _relay_responses(self, turn: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
+        body = {**turn, "model": self.upstream_model, "stream": True, "store": False}
+        async with transport_errors(self.name), self._http.stream("POST", "/responses", json=body) as r:
+            if r.status != 200:
+                raise _status_error(r.status, await r.read())
+            async for chunk in _relayed_chunks(r):
+                yield chunk
 
     async def info(self) -> BackendInfo:
         r = await self._http.call("GET", "/models", timeout_s=5.0)
@@ -212,6 +250,40 @@ async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
         yield pending
     if not finished:
         raise UpstreamError("upstream stream ended without a finish reason")
+
+
+async def _relayed_chunks(response) -> AsyncIterator[GenerationChunk]:
+    """The chunks of a Responses API event stream; one that fails, or ends before its response does, raises."""
+    calls = 0  # function calls opened so far: the open one's index is calls - 1
+    async for event in sse_events(response):
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind == "response.output_text.delta":
+            logprobs = event.get("logprobs")
+            yield GenerationChunk(text=event.get("delta") or "",
+                                  logprobs=_logprobs({"content": logprobs}, chat=True) if logprobs else None)
+        elif kind == "response.output_item.added" and (item := event.get("item") or {}).get("type") == "function_call":
+            calls += 1
+            yield GenerationChunk(tool_calls=[ToolCallDelta(calls - 1, item.get("call_id"), item.get("name"),
+                                                            item.get("arguments") or "")])
+        elif kind == "response.function_call_arguments.delta" and calls:
+            yield GenerationChunk(tool_calls=[ToolCallDelta(calls - 1, arguments=event.get("delta") or "")])
+        elif kind in ("response.completed", "response.incomplete"):
+            yield _relayed_end(event.get("response") or {}, calls)
+            return
+        elif kind in ("response.failed", "error"):
+            error = (event.get("response") or {}).get("error") or event.get("error") or event
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise UpstreamError(f"upstream error mid-stream: {message}")
+    raise UpstreamError("upstream stream ended before its response completed")
+
+
+def _relayed_end(response: dict[str, Any], calls: int) -> GenerationChunk:
+    """A relayed response's last chunk: why it ended (cut by ``max_output_tokens``, calls made, or done), usage."""
+    reason = "length" if response.get("status") == "incomplete" else "tool_calls" if calls else "stop"
+    u = response.get("usage")
+    usage = Usage(u.get("input_tokens", 0), u.get("output_tokens", 0),
+                  (u.get("input_tokens_details") or {}).get("cached_tokens") or 0) if u else None
+    return GenerationChunk(finish_reason=reason, usage=usage)
 
 
 def _whole(content: bytes, chat: bool) -> list[GenerationChunk]:

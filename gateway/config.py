@@ -71,6 +71,9 @@ class DeepSpeedDeployment(_Deployment, DeepSpeedConfig):
 
 class OpenAIDeployment(_Deployment, RemoteConfig):
     kind: Literal["openai"]
+    # how /v1/responses reaches the server: "relay" to its own /v1/responses (vLLM has one), "chat" over its chat
+    # completions, "auto" relays when the server has the route (asked once: GET /v1/responses answers 405)
+    responses_api: Literal["auto", "relay", "chat"] = "auto"
 
 
 class TGIDeployment(_Deployment, TextServerConfig):

@@ -61,7 +61,7 @@ def build_backend(model_name: str, cfg: DeploymentConfig) -> Backend:
         case OpenAIDeployment():
             from backends.openai_http import OpenAIHTTPBackend
 
-            return OpenAIHTTPBackend(model_name, cfg)
+            return OpenAIHTTPBackend(model_name, cfg, responses_api=cfg.responses_api)
         case TGIDeployment():
             from backends.tgi import TGIBackend
 

@@ -1,5 +1,5 @@
 """Responses API request bodies (OpenAI's shapes, vLLM's extra sampling fields) and their translation into the chat
-request that serves them.
+request that serves them (and into the whole turn a server with its own /v1/responses is relayed).
 
 Input items become chat messages: a message item by its role and text, ``function_call`` items the assistant's
 ``tool_calls`` (joined to the assistant message before them, as one chat turn), ``function_call_output`` items
@@ -18,6 +18,8 @@ from backends.base import InvalidRequestError, random_id
 from gateway.wire.requests import ChatCompletionRequest, Int64, StructuredOutputsParams, _Request
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Fields the gateway answers itself: a server the turn is relayed to gets the conversation whole, stores nothing
+GATEWAY_FIELDS = {"model", "previous_response_id", "store", "background", "stream", "stream_options", "metadata"}
 # Fields of OpenAI's request that no engine here can honour at any value but null
 UNSUPPORTED = {"prompt": "prompt templates are not supported", "conversation": "conversations are not supported: "
                "continue one with previous_response_id", "max_tool_calls": "max_tool_calls is not supported"}
@@ -114,6 +116,22 @@ def chat_messages(items: list[MessageItem | FunctionCallItem | FunctionCallOutpu
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return messages
+
+
+def input_items_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages (a stored conversation) as input items again: ``chat_messages`` read backwards."""
+    items: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": message["tool_call_id"],
+                          "output": message["content"]})
+            continue
+        calls = message.get("tool_calls") or []
+        if message.get("content") is not None or not calls:
+            items.append({"type": "message", "role": message["role"], "content": message.get("content") or ""})
+        items += [{"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                   "arguments": call["function"]["arguments"]} for call in calls]
+    return items
 
 
 # ----------------------------------------------------------------------------------------- tools, text
@@ -258,6 +276,14 @@ class ResponsesRequest(_Request):
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
+
+    def relayed(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """This turn as a server with its own /v1/responses takes it: the fields the client set, less those the
+        gateway answers itself, the conversation so far (``history``, as chat messages) before the input."""
+        body = self.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude=GATEWAY_FIELDS)
+        body["input"] = [*input_items_of(history),
+                         *(item.model_dump(mode="json", exclude_none=True) for item in self.input_items())]
+        return body
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat request that serves this one after ``history`` (the earlier turns, as chat messages)."""

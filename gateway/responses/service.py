@@ -90,6 +90,7 @@ class Responses:
         history = previous.messages if previous else []
         rid = response_id()
         generation = body.chat_request(history).generation_request(rid)
+        generation.responses = body.relayed(history)
         group = self.gateway.group(body.model)
         caller = await self.gateway.admit(caller, [generation])
         conversation = Conversation(held_by=previous.deployment if previous else None, session=body.prompt_cache_key)

@@ -15,7 +15,11 @@ import httpx
 import pytest
 
 from benchmarks.peers import VLLM_PYTHON
+from gateway.app import create_app
+from gateway.config import ModelRoute, Settings
+from gateway.service import Gateway
 from tests.peers.json_paths import key_paths
+from tests.servers import serve_app
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
@@ -171,3 +175,45 @@ def test_responses_answer_as_vllm_does(servers, name):
         assert found, f"{name} matches vLLM now: drop it from KNOWN_DIFFERENCES"
     else:
         assert not found, "\n".join(found)
+
+
+# ------------------------------------------------------------------------ a gateway in front of vLLM
+RELAYED = ("text", "instructions", "input_items", "cut_by_max_output_tokens", "stream", "function_call_output")
+
+
+@pytest.fixture(scope="module")
+def relaying(vllm_url):
+    """A gateway whose ``openai`` deployment is the peer vLLM: it relays turns to vLLM's own /v1/responses."""
+    deployment = {"kind": "openai", "name": "vllm", "url": f"{vllm_url}/v1", "responses_api": "auto"}
+    settings = Settings(models=[ModelRoute(name="smollm2", deployments=[deployment])])
+    with serve_app(create_app(Gateway.from_settings(settings))) as url:
+        yield url
+
+
+def _relayed_turns(vllm_url: str) -> float:
+    """How many requests vLLM's /v1/responses route has answered (its HTTP metrics)."""
+    metrics = httpx.get(f"{vllm_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("http_requests_total{") and 'handler="/v1/responses"' in line)
+
+
+@pytest.mark.parametrize("name", RELAYED)
+def test_a_gateway_in_front_of_vllm_relays_to_its_responses_route(vllm_url, relaying, name):
+    before = _relayed_turns(vllm_url)
+    body = VARIANTS[name]
+    through, direct = _fold(_ask(relaying, body)), _fold(_ask(vllm_url, body))
+    assert _relayed_turns(vllm_url) - before == 2  # the relayed turn and the direct one
+    assert through == direct
+
+
+def test_a_conversation_through_the_gateway_is_vllms_conversation(vllm_url, relaying):
+    """The gateway keeps the conversation (vLLM 0.32 stores nothing unless told to): turn two reaches vLLM with
+    turn one in its input, and answers what vLLM answers to that input."""
+    first = _ask(relaying, {**G, "input": "My name is Ada. Say hello.", "max_output_tokens": 12})["body"]
+    second = _ask(relaying, {**G, "input": "What is my name?", "max_output_tokens": 12,
+                             "previous_response_id": first["id"]})
+    history = [{"role": "user", "content": "My name is Ada. Say hello."},
+               {"role": "assistant", "content": _fold({"body": first})["text"]},
+               {"role": "user", "content": "What is my name?"}]
+    direct = _ask(vllm_url, {**G, "input": history, "max_output_tokens": 12})
+    assert _fold(second) == _fold(direct)

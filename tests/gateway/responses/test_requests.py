@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from backends.base import InvalidRequestError
-from gateway.responses.requests import ResponsesRequest
+from gateway.responses.requests import ResponsesRequest, chat_messages, input_items_of
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -43,6 +43,28 @@ def test_history_comes_between_the_instructions_and_the_new_input():
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     c = chat(history, input="And you?", instructions="Be brief.")
     assert [m.content for m in c.messages] == ["Be brief.", "Hi", "Hello!", "And you?"]
+
+
+def test_a_stored_conversation_reads_back_as_the_items_it_came_from():
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+               {"role": "assistant", "content": None}]  # an empty answer stays a turn
+    items = ResponsesRequest(model="m", input=input_items_of(history)).input_items()
+    assert chat_messages(items) == [*history[:3], {"role": "assistant", "content": ""}]
+
+
+def test_a_relayed_turn_carries_the_clients_fields_and_the_conversation_not_the_gateways_state():
+    body = ResponsesRequest(model="m", input="And in Rome?", instructions="Be brief.", tools=[WEATHER], top_k=5,
+                            previous_response_id="resp_1", store=True, stream=True, metadata={"a": "b"},
+                            text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
+    turn = body.relayed([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    assert turn == {"input": [{"type": "message", "role": "user", "content": "Hi"},
+                              {"type": "message", "role": "assistant", "content": "Hello"},
+                              {"type": "message", "role": "user", "content": "And in Rome?"}],
+                    "instructions": "Be brief.", "tools": [{**WEATHER}], "top_k": 5,
+                    "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}}
 
 
 def test_sampling_tools_and_text_format_carry_over():
