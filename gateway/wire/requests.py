@@ -125,6 +125,13 @@ class Tool(_Strict):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
+    def as_template_input(self) -> dict[str, Any]:
+        """The tool as vLLM hands it to the chat template: description and parameters always (null when not
+        given), strict only when set; the template writes it into the prompt, so this is the prompt vLLM makes."""
+        f = self.function
+        function = {"name": f.name, "description": f.description, "parameters": f.parameters}
+        return {"type": self.type, "function": function | ({} if f.strict is None else {"strict": f.strict})}
+
 
 class NamedFunction(_Strict):
     name: str
@@ -360,7 +367,7 @@ class ChatCompletionRequest(_Sampling):
 
     def generation_request(self, request_id: str) -> GenerationRequest:
         """The request for a backend, tool settings checked with vLLM's rules and messages."""
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None
+        tools = [t.as_template_input() for t in self.tools] if self.tools is not None else None
         if tools == []:
             raise InvalidRequestError("`tools` must not be an empty array. Either provide at least one tool or "
                                       "omit the field entirely.", param="tools")

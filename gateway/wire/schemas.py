@@ -120,6 +120,28 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class RenderedRequest(BaseModel):
+    """vLLM's ``GenerateRequest``: a request as the engine gets it (gateway/wire/render.py)."""
+
+    request_id: str
+    token_ids: list[int]
+    token_offsets: None
+    features: None
+    content_parts: None
+    sampling_params: dict[str, Any]
+    model: str
+    reasoning_ended: None
+    reasoning_parser_kwargs: None
+    return_token_ids: None
+    output_mode: Literal["tokens"]
+    stream: bool
+    stream_options: None
+    cache_salt: None
+    priority: int
+    kv_transfer_params: None
+    ec_transfer_params: None
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

@@ -1,5 +1,6 @@
 """One real vLLM for the peer suite: the exported SmolLM2 in fp32, with vLLM's hermes tool parser and the
-same ChatML tools template burstgate's native deployments use (configs/chat_templates/chatml_tools.jinja)."""
+same ChatML tools template burstgate's native deployments use (configs/chat_templates/chatml_tools.jinja), and
+its scale-out routes on (the render routes; burstgate serves them always)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "chat_templat
 def vllm_url():
     port = free_port()
     proc = start_vllm(port, extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                        "--chat-template", str(TOOLS_TEMPLATE)))
+                                        "--chat-template", str(TOOLS_TEMPLATE), "--enable-scale-out"))
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
