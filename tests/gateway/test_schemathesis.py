@@ -47,7 +47,8 @@ def api_schema(fuzz_url):
 
 
 ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-          ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/ready"),
+          ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/chat/completions/render"),
+          ("POST", "/v1/completions/render"), ("GET", "/health"), ("GET", "/ready"),
           ("GET", "/metrics"), ("GET", "/admin/backends"), ("GET", "/info"), ("POST", "/v1/responses"),
           ("GET", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}/input_items"),
           ("POST", "/v1/responses/{response_id}/cancel"), ("DELETE", "/v1/responses/{response_id}")}
