@@ -107,7 +107,7 @@ peers-guidellm: .peers/guidellm/bin/guidellm
 peers-llamacpp: .peers/llamacpp/.installed
 
 # The OpenAI adapter against real vLLM (starts it with --enforce-eager: about 50 s on this CPU).
-test-peers: install-dev peers
+test-peers: install-dev peers peers-routers
 	BURSTGATE_PEERS=1 $(PY) -m pytest -q -p no:cacheprovider tests/peers
 
 # The CUDA-only tests (skipped elsewhere) and the attention kernels, on a machine with a GPU.

@@ -1,12 +1,15 @@
 """KV-cache events in vLLM's wire format (vllm/distributed/kv_events.py), so that routers follow what an engine
-holds: the native engine publishes them as vLLM does, and the gateway's cache-aware routing reads vLLM's and ours
-alike (and any reader of vLLM's, such as vllm-router's, reads ours).
+holds: the native engine publishes them as vLLM 0.32 does, and the gateway's cache-aware routing reads vLLM's and
+ours alike (and any reader of vLLM's, such as vllm-router's ``kv_aware`` policy, reads ours).
 
 On the wire: a ZMQ PUB socket sends multipart messages ``[topic, seq, payload]``: ``seq`` 8 bytes big-endian,
 counting up from 0; ``payload`` msgpack of a ``KVEventBatch`` encoded by position (msgspec ``array_like``):
-``[ts, [event, ...], data_parallel_rank]``, each event a tagged array: ``["BlockStored", block_hashes,
-parent_block_hash, token_ids, block_size, lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]``,
-``["AllBlocksCleared"]``. Block hashes are the engine's own names for its blocks (bytes or ints).
+``[ts, [event, ...], data_parallel_rank]``; each event a map tagged by its ``type``: ``{"type": "BlockStored",
+"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}``,
+``{"type": "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}`` (vLLM's optional fields,
+at their defaults, are left out as vLLM leaves them). Older vLLMs wrote each event as a tagged array by
+position (``["BlockStored", block_hashes, ...]``); the reader takes both. Block hashes are the engine's own names
+for its blocks (bytes or ints).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import msgspec
 log = logging.getLogger(__name__)
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the three events (vLLM's)."""
 
 
@@ -32,13 +35,14 @@ class BlockStored(KVCacheEvent):
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
+    lora_id: int | None  # these three have no default in vLLM: always written, null when unset
+    medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int | bytes]
-    medium: str | None = None
+    medium: str | None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -51,22 +55,30 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# The fields of each event by position, as older vLLMs wrote them (tagged arrays)
+_BY_POSITION = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+                "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+_EVENTS = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
+_REQUIRED = {"BlockStored": ("block_hashes", "token_ids", "block_size"), "BlockRemoved": ("block_hashes",),
+             "AllBlocksCleared": ()}  # an event without these says nothing the index can use
+
+
 def decode_events(payload: bytes) -> list[KVCacheEvent]:
-    """The events of one payload, read by position, as vLLM's or ours; fields a newer vLLM adds after the known
-    ones are ignored, unknown event kinds skipped."""
+    """The events of one payload, as vLLM 0.32 writes them (tagged maps) or as older vLLMs did (tagged arrays);
+    fields the event classes here do not know are ignored, unknown event kinds skipped."""
     batch = msgspec.msgpack.decode(payload)
     events: list[KVCacheEvent] = []
     for raw in batch[1] if isinstance(batch, list) and len(batch) > 1 else []:
-        if not isinstance(raw, list) or not raw:
+        if isinstance(raw, dict):
+            kind, fields = raw.get("type"), raw
+        elif isinstance(raw, list) and raw and raw[0] in _BY_POSITION:
+            kind, fields = raw[0], dict(zip(_BY_POSITION[raw[0]], raw[1:], strict=False))
+        else:
             continue
-        tag, fields = raw[0], raw[1:]
-        if tag == "BlockStored" and len(fields) >= 4:
-            events.append(BlockStored(list(fields[0]), fields[1], list(fields[2]), int(fields[3]),
-                                      *(fields[4:6])))
-        elif tag == "BlockRemoved" and fields:
-            events.append(BlockRemoved(list(fields[0]), *(fields[1:2])))
-        elif tag == "AllBlocksCleared":
-            events.append(AllBlocksCleared())
+        if (cls := _EVENTS.get(kind)) is not None:
+            known = {name: fields.get(name) for name in cls.__struct_fields__}
+            if all(known.get(name) is not None for name in _REQUIRED[kind]):
+                events.append(cls(**known))
     return events
 
 

@@ -14,9 +14,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import uvicorn
+import yaml
 
 
 def free_port() -> int:
@@ -77,6 +79,17 @@ def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] 
             proc.kill()
             raise RuntimeError("burstgate serve did not become ready")
         time.sleep(0.3)
+
+
+def start_replica_with_kv_events(folder: Path, events_port: int, port: int | None = None) -> Served:
+    """``burstgate serve`` of one native engine (one thread, model "m", 16-token blocks) publishing its KV events on
+    ``events_port``: a replica of a fleet as ops run it."""
+    config = folder / f"replica-{events_port}.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "m", "deployments": [{
+        "kind": "native", "dtype": "float32", "num_threads": 1, "max_model_len": 2048, "num_blocks": 256,
+        "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+        "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}"}}]}]}))
+    return start_burstgate("--config", str(config), port=port)
 
 
 @contextlib.contextmanager

@@ -174,7 +174,7 @@ class BlockManager:
                 stored = None  # stays canonical: nothing new is cached
             elif self.events is not None:
                 if stored is None:
-                    stored = BlockStored([], parent, [], self.block_size, None, self.medium)
+                    stored = BlockStored([], parent, [], self.block_size, None, self.medium, None)
                     self.events.append(stored)
                 stored.block_hashes.append(h)
                 stored.token_ids.extend(tokens)

@@ -1,9 +1,10 @@
 """One real vLLM for the peer suite: the exported SmolLM2 in fp32, with vLLM's hermes tool parser and the
 same ChatML tools template burstgate's native deployments use (configs/chat_templates/chatml_tools.jinja), and
-its scale-out routes on (the render routes; burstgate serves them always)."""
+its scale-out routes on (the render routes; burstgate serves them always) and its KV-cache events published."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,19 @@ TOOLS_TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "chat_templat
 
 
 @pytest.fixture(scope="session")
-def vllm_url():
+def vllm_kv_events() -> str:
+    """Where the peer vLLM publishes its KV-cache events (ZMQ, topic "kv")."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="session")
+def vllm_url(vllm_kv_events):
     port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": vllm_kv_events.replace("127.0.0.1", "*")}
     proc = start_vllm(port, extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                        "--chat-template", str(TOOLS_TEMPLATE), "--enable-scale-out"))
+                                        "--chat-template", str(TOOLS_TEMPLATE), "--enable-scale-out",
+                                        "--kv-events-config", json.dumps(events)))
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -1,6 +1,7 @@
 """The native engine publishes what enters and leaves its prefix cache as vLLM's KV events (vLLM's
---kv-events-config, backends/kv_events.py): ZMQ multipart [topic, seq, msgpack batch], each event a tagged array
-by position, block hashes the engine's own prefix-cache keys."""
+--kv-events-config, backends/kv_events.py): ZMQ multipart [topic, seq, msgpack batch], each event a map tagged by
+its type with vLLM 0.32's keys, block hashes the engine's own prefix-cache keys. The reader takes vLLM 0.32's maps
+and older vLLMs' tagged arrays (real vLLM's events and vllm-router reading ours: tests/peers/test_kv_events.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def test_stored_blocks_are_published_with_their_tokens_under_the_engines_keys(en
     seqs = [seq for seq, _ in messages]  # the warm-up's events went out before this reader joined
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # counted up, none missed
     ts, raw_events, rank = messages[0][1]  # vLLM's batch, by position: [ts, events, data_parallel_rank]
-    assert isinstance(ts, float) and rank is None and raw_events[0][0] == "BlockStored"
+    assert isinstance(ts, float) and rank is None
+    assert set(raw_events[0]) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                  "medium", "lora_name"} and raw_events[0]["type"] == "BlockStored"
     stored = [e for _, batch in messages for e in decode_events(msgspec.msgpack.encode(batch))]
     first = stored[0]
     assert isinstance(first, BlockStored) and first.parent_block_hash is None and first.block_size == 16
@@ -69,3 +72,11 @@ def test_evicted_blocks_and_a_reset_are_published(engine_and_reader):
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed and set(removed) <= set(block_hashes(list(range(100, 164)), 16))
     assert isinstance(events[-1], AllBlocksCleared)
+
+
+def test_older_vllms_tagged_arrays_are_read_too_and_events_without_their_keys_skipped():
+    batch = [1.5, [["BlockStored", [7, 8], None, list(range(32)), 16, None, "GPU"], ["BlockRemoved", [7], "GPU"],
+                   ["AllBlocksCleared"], ["SomethingNew", 1], {"type": "BlockStored", "token_ids": [1]}], None]
+    assert decode_events(msgspec.msgpack.encode(batch)) == [
+        BlockStored([7, 8], None, list(range(32)), 16, None, "GPU", None), BlockRemoved([7], "GPU"),
+        AllBlocksCleared()]

@@ -10,39 +10,27 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import Gateway
-from tests.servers import Served, free_port, serve_app, start_burstgate
+from tests.servers import Served, free_port, serve_app, start_replica_with_kv_events
 
 
 def _system(job: str) -> dict:
     return {"role": "system", "content": f"You are a ship's {job}. You answer in one short sentence. " * 6}
 
 
-def _replica(folder: Path, events_port: int, port: int | None = None) -> Served:
-    """``burstgate serve`` with one native engine (one thread) publishing its KV events on ``events_port``."""
-    config = folder / f"replica-{events_port}.yaml"
-    config.write_text(yaml.safe_dump({"models": [{"name": "m", "deployments": [{
-        "kind": "native", "dtype": "float32", "num_threads": 1, "max_model_len": 2048, "num_blocks": 256,
-        "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512,
-        "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}"}}]}]}))
-    return start_burstgate("--config", str(config), port=port)
-
-
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> Iterator[list[tuple[Served, int]]]:
     folder = tmp_path_factory.mktemp("replicas")
     events = [free_port(), free_port()]
-    started = [(_replica(folder, port), port) for port in events]
+    started = [(start_replica_with_kv_events(folder, port), port) for port in events]
     try:
         yield started
     finally:
@@ -143,7 +131,7 @@ def test_a_replica_killed_mid_run_fails_only_what_it_was_answering_and_is_routed
         noticed = time.monotonic()
         time.sleep(3)  # traffic on the one replica left
         assert any(t > noticed for t in done)
-        replicas[1] = (_replica(tmp_path, events_port, port=victim.port), events_port)  # back, with an empty cache
+        replicas[1] = (start_replica_with_kv_events(tmp_path, events_port, port=victim.port), events_port)  # back, with an empty cache
         deadline = time.monotonic() + 60
         while not (dead.healthy and group.policy.index.size(dead.name)):  # healthy, and taking conversations again
             assert time.monotonic() < deadline, "the replica is not routed to once back"
