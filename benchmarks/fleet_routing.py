@@ -17,7 +17,11 @@ hit rate over the run (their own counters), requests per replica; medians over r
     python benchmarks/fleet_routing.py --rounds 2 --save benchmarks/results/fleet_routing.json
 
 With ``--simulate h100``, the replicas are simulated 12.3B replicas on the H100 profile (backends/sim), served in
-real time: the routers compared at GPU speeds on this machine.
+real time: the routers compared at GPU speeds on this machine. With ``--engine vllm``, the replicas are real vLLM
+(the CPU build, ``make peers``: the exported SmolLM2 in fp32, one core each, 32-token blocks, the least its CPU
+attention takes, its KV events on):
+
+    python benchmarks/fleet_routing.py --engine vllm --replicas 2 --rounds 1 --save benchmarks/results/fleet_routing_vllm.json
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import PEERS, burstgate, free_port, loadtest, run_record, serving
+from peers import PEERS, burstgate, free_port, loadtest, run_record, serving, start_vllm
 
 from loadtest.metrics import server_hit_rate
 
@@ -54,32 +58,43 @@ WORKLOADS = {
 # gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
 POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@256", "cache_aware@64",
             "cache_aware_precise@64"]
+BLOCK_SIZE = {"native": 16, "vllm": 32}  # tokens per KV block of each engine (vLLM's CPU attention: a multiple of 32)
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 
 
-def start_replica(stack: contextlib.ExitStack, index: int, logs: Path, simulate: str | None = None) -> tuple[str, str]:
-    """One native engine replica (or, with ``simulate``, a simulated replica of the design's 12.3B model on that
-    device profile, in real time): its URL and the endpoint of its KV events."""
+def start_replica(stack: contextlib.ExitStack, index: int, logs: Path, engine: str, simulate: str | None = None
+                  ) -> tuple[str, str]:
+    """One replica, the ``engine`` on one core of its own: burstgate's native engine (or, with ``simulate``, a
+    simulated replica of the design's 12.3B model on that device profile, in real time) or vLLM; its URL and the
+    endpoint of its KV events."""
     port, events = free_port(), free_port()
     kv_events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}"}
+    core = str(index % os.cpu_count())
+    if engine == "vllm":
+        vllm_events = {**kv_events, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
+        proc = start_vllm(port, log=logs / f"replica-{index}.log", cpus=core, extra_args=(
+            "--block-size", str(BLOCK_SIZE[engine]), "--kv-events-config", json.dumps(vllm_events)))
+        stack.callback(proc.wait, timeout=60)
+        stack.callback(proc.terminate)
+        return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"
     if simulate:
         deployment = {"kind": "native", "model_path": "configs/llama-12.3b-gqa.json", "simulate": {"profile": simulate},
                       "max_num_seqs": 64, "max_num_batched_tokens": 4096, "block_size": 16, "max_concurrency": 512,
                       "kv_events_config": kv_events}
     else:
         deployment = {"kind": "native", "dtype": "float32", "num_threads": 1, "max_num_seqs": 32,
-                      "max_num_batched_tokens": 512, "kv_cache_gb": 0.5, "block_size": 16, "max_concurrency": 512,
+                      "max_num_batched_tokens": 512, "kv_cache_gb": 0.5, "block_size": BLOCK_SIZE[engine],
+                      "max_concurrency": 512,
                       "kv_events_config": kv_events}
     config = Path(tempfile.mkdtemp()) / "replica.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "deployments": [deployment]}]}))
-    core = str(index % os.cpu_count())
     serve = burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
     cmd = serve if simulate else ["taskset", "-c", core, *serve]  # a simulated replica sleeps through its steps
     url = stack.enter_context(serving(cmd, port, log=logs / f"replica-{index}.log"))
     return url, f"tcp://127.0.0.1:{events}"
 
 
-def gateway_command(target: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+def gateway_command(target: str, replicas: list[tuple[str, str]], port: int, block_size: int) -> list[str]:
     policy, _, cost = target.partition("@")
     precise = policy == "cache_aware_precise"
     deployments = [{"kind": "openai", "name": f"replica-{i}", "url": f"{url}/v1", "upstream_model": MODEL,
@@ -89,7 +104,7 @@ def gateway_command(target: str, replicas: list[tuple[str, str]], port: int) -> 
     if routing["policy"] == "cache_aware":  # the replicas' tokenizer, read here: no /tokenize call per request
         from backends.native.weights import default_model_path
 
-        routing.update(block_size=16, tokenizer=str(default_model_path()), **({"load_cost_tokens": float(cost)}
+        routing.update(block_size=block_size, tokenizer=str(default_model_path()), **({"load_cost_tokens": float(cost)}
                                                                                if cost else {}))
     config = Path(tempfile.mkdtemp()) / "gateway.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "routing": routing, "deployments": deployments}]}))
@@ -118,7 +133,7 @@ def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]
             for s in family.samples:
                 key = s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
                 total[key] = total.get(key, 0.0) + s.value
-                if s.name == "burstgate:requests_total":
+                if s.name in ("burstgate:requests_total", "vllm:request_success_total"):
                     count += s.value
         requests.append(count)
     return total, requests
@@ -145,6 +160,7 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
     ap.add_argument("--simulate", metavar="PROFILE", help="simulated replicas of the 12.3B model on this device "
                     "profile (backends/sim), served in real time, instead of SmolLM2 on this CPU")
+    ap.add_argument("--engine", choices=("native", "vllm"), default="native", help="what each replica runs")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     workloads, policies = args.workload or list(WORKLOADS), args.policy or POLICIES
@@ -152,11 +168,12 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
-        replicas = [start_replica(stack, i, logs, args.simulate) for i in range(args.replicas)]
+        replicas = [start_replica(stack, i, logs, args.engine, args.simulate) for i in range(args.replicas)]
         targets = {}
         for policy in policies:
             port = free_port()
-            targets[policy] = stack.enter_context(serving(gateway_command(policy, replicas, port), port,
+            command = gateway_command(policy, replicas, port, BLOCK_SIZE[args.engine])
+            targets[policy] = stack.enter_context(serving(command, port,
                                                           log=logs / f"gateway-{policy}.log"))
         for peer in peers:
             port = free_port()
@@ -181,7 +198,8 @@ def main() -> None:
     for line in table:
         print(line)
     if args.save:
-        args.save.write_text(json.dumps({**run_record(), "replicas": args.replicas, "simulate": args.simulate,
+        args.save.write_text(json.dumps({**run_record(), "replicas": args.replicas, "engine": args.engine,
+                                         "simulate": args.simulate,
                                          "workloads": {w: WORKLOADS[w] for w in workloads},
                                          "runs": runs, "table": table}, indent=2))
 
