@@ -10,6 +10,12 @@ own policies at sizes no machine here can run for real.
    per rate: cache-aware with KV events (precise), without them (approximate), and least-outstanding (load only).
 
     python benchmarks/fleet_sim_routing.py --save benchmarks/results/fleet_sim_routing.json
+
+``--policies`` takes ``cache_aware@COST`` for cache_aware at another ``load_cost_tokens`` (how much a cached prompt
+token weighs against a request of load), e.g. the sweep of benchmarks/results/fleet_sim_load_cost.json:
+
+    python benchmarks/fleet_sim_routing.py --skip llmd --policies round_robin,cache_aware@64,cache_aware@256,\
+cache_aware@1024 --save benchmarks/results/fleet_sim_load_cost.json
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ FIGURES = ("completed", "output_throughput", "median_ttft_ms", "p90_ttft_ms", "p
 
 
 def run(engine: EngineConfig, replicas: int, policy: str, requests: list, tokenizer, kv_events: bool = True) -> dict:
+    """One simulated run; ``policy`` a name, or ``cache_aware@COST`` for its ``load_cost_tokens``."""
     started = time.perf_counter()
-    fleet = VirtualFleet(engine, replicas, routing_config(policy), tokenizer, kv_events=kv_events)
+    name, _, cost = policy.partition("@")
+    config = routing_config(name, [f"load_cost_tokens={cost}"] if cost else [])
+    fleet = VirtualFleet(engine, replicas, config, tokenizer, kv_events=kv_events)
     result = fleet.run(requests)
     row = {k: result.summary[k] for k in FIGURES}
     row.update(steps=result.steps, simulated_s=result.virtual_s, host_s=time.perf_counter() - started)

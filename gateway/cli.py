@@ -355,6 +355,8 @@ def plan(
                                                  "prompts from a load-test dataset (JSONL, ShareGPT or Alpaca JSON), "
                                                  "with its own output lengths, at --rate.", rich_help_panel=SLO)] = None,
     routing: Annotated[str, typer.Option(metavar="POLICY", help="With --slo: the routing policy.", rich_help_panel=SLO)] = "cache_aware",
+    routing_option: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="With --slo: a setting of the "
+                              "routing policy (repeatable), e.g. load_cost_tokens=256.", rich_help_panel=SLO)] = None,
     max_replicas: Annotated[int, typer.Option(min=1, metavar="N", help="With --slo: the most replicas tried.", rich_help_panel=SLO)] = 64,
     plot: Annotated[Path | None, typer.Option(dir_okay=False, metavar="FILE.png", help="With --slo: the curves "
                                               "behind the answer as a chart.", rich_help_panel=SLO)] = None,
@@ -381,7 +383,8 @@ def plan(
         return
     if slo:
         _plan_for_slo(model, [g.value for g in gpu], slo, rate, requests, arrivals, trace, dataset, input_len,
-                      output_len, tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing, max_replicas,
+                      output_len, tensor_parallel_size, max_num_seqs, gpu_memory_utilization, routing,
+                      routing_option or [], max_replicas,
                       plot, as_json)
         return
     from backends.native.planner import plan as make_plan
@@ -460,7 +463,8 @@ def _plan_split(model: Path, gpus: list[str], count: int, dtype: str, input_len:
 def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: float | None, requests: int,
                   arrivals: str, trace: Path | None, dataset: Path | None, input_len: int, output_len: int,
                   tensor_parallel_size: int | None,
-                  max_num_seqs: int, gpu_memory_utilization: float, routing: str, max_replicas: int,
+                  max_num_seqs: int, gpu_memory_utilization: float, routing: str, routing_options: list[str],
+                  max_replicas: int,
                   plot: Path | None, as_json: bool) -> None:
     """``plan --slo``: per GPU type, the fewest GPUs whose simulated fleet meets every SLO (replicas x tensor-parallel
     size, every size a node takes tried unless --tensor-parallel-size fixes it)."""
@@ -477,7 +481,7 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
         raise typer.BadParameter("an SLO holds at a traffic: give its --rate (or a --trace)", param_hint="--rate")
     engine = EngineConfig(model_path=str(model), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                           gpu_memory_utilization=gpu_memory_utilization)
-    policy = routing_config(routing)
+    policy = routing_config(routing, routing_options)
 
     tokenizer = engine_tokenizer(engine)  # loaded once: the dataset's prompts and every simulated engine
     try:

@@ -4,6 +4,7 @@ Imports stay inside the commands: the gateway's CLI loads this module and must n
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -170,20 +171,41 @@ def _conflict(ctx: typer.Context, users: int) -> str | None:
     return None
 
 
-def routing_config(policy: str):
-    """The gateway's routing configuration for a policy name (its defaults)."""
+def routing_config(policy: str, options: Sequence[str] = ()):
+    """The gateway's routing configuration for a policy name, its defaults changed by ``options`` (``KEY=VALUE``,
+    each value read as JSON where it is JSON, e.g. ``load_cost_tokens=256``), checked by the policy's own model."""
+    from pydantic import ValidationError
+
     from gateway.routing.policy import POLICIES
 
     if policy not in POLICIES:
         raise typer.BadParameter(f"unknown policy {policy!r}; choose one of {', '.join(sorted(POLICIES))}",
                                  param_hint="--routing")
-    return POLICIES[policy].Config()
+    settings = {}
+    for option in options:
+        key, sep, text = option.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{option!r} is not KEY=VALUE", param_hint="--routing-option")
+        try:
+            settings[key] = json.loads(text)
+        except ValueError:
+            settings[key] = text
+    try:
+        return POLICIES[policy].Config(**settings)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(x) for x in error["loc"])
+        raise typer.BadParameter(f"{policy}: {where}: {error['msg']}", param_hint="--routing-option") from None
 
 
 @app.command(cls=HelpCommand, short_help="A fleet of simulated replicas on a virtual clock.", epilog="""
 # 64 replicas of the design's 12.3B model on H100s, cache-aware routing
 burstgate sim run --model configs/llama-12.3b-gqa.json --profile h100 \\
     --replicas 64 --rate 200 --requests 20000 --routing cache_aware
+
+# the same fleet with cache_aware weighing load 4x more against cached tokens
+burstgate sim run --model configs/llama-12.3b-gqa.json --replicas 64 \\
+    --rate 200 --requests 20000 --routing-option load_cost_tokens=256
 
 # 48 conversations of 6 turns sharing a 2,000-token system prompt
 burstgate sim run --model configs/llama-12.3b-gqa.json --replicas 8 \\
@@ -197,6 +219,8 @@ def run(
                                          "profile, or a profile file.", rich_help_panel=FLEET)] = "h100",
     replicas: Annotated[int, typer.Option(min=1, metavar="N", help="Simulated replicas.", rich_help_panel=FLEET)] = 1,
     routing: Annotated[str, typer.Option(metavar="POLICY", help="The gateway's routing policy across them.", rich_help_panel=FLEET)] = "cache_aware",
+    routing_option: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="A setting of the routing "
+                              "policy (repeatable), e.g. load_cost_tokens=256.", rich_help_panel=FLEET)] = None,
     requests: Annotated[int, typer.Option(min=1, metavar="N", help="Single prompts (without --users).",
                                           rich_help_panel=TRAFFIC)] = 100,
     input_len: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens.", rich_help_panel=TRAFFIC)] = 512,
@@ -249,7 +273,7 @@ def run(
         work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, users,
                               turns, system_prompt_len, question_len, think_time, trace, time_scale, dataset,
                               tokenizer)
-        fleet = VirtualFleet(engine, replicas, routing_config(routing), tokenizer, seed=seed)
+        fleet = VirtualFleet(engine, replicas, routing_config(routing, routing_option or []), tokenizer, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     started = time.perf_counter()

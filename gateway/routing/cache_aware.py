@@ -54,8 +54,8 @@ class CacheAwareConfig(PolicyConfig):
     # local HF directory or .gguf whose tokenizer is the engines' (remote deployments); None: an in-process
     # engine's, else the first deployment's /tokenize; without either, prompts are cut into characters
     tokenizer: str | None = None
-    # uncached prompt tokens one running or queued request is worth; 64 led 256 on every workload of
-    # benchmarks/fleet_routing.py (docs/performance.md "Routing across replicas")
+    # uncached prompt tokens one running or queued request is worth: an exchange rate between prefill and queueing
+    # that depends on the hardware (docs/routing.md: 64 on CPU replicas, 256 on simulated H100s)
     load_cost_tokens: float = Field(64.0, ge=0)
     # the imbalance guard (SGLang's): when the busiest candidate runs more than balance_abs_threshold requests over
     # the idlest and more than balance_rel_threshold times its load, only those within the threshold stay

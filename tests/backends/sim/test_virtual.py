@@ -4,6 +4,7 @@ block manager in each, the gateway's policies routing, the load tester's metrics
 from __future__ import annotations
 
 import pytest
+import typer
 
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.sim.virtual import SimRequest, VirtualFleet, burst_workload, conversation_workload
@@ -144,3 +145,26 @@ def test_sim_run_refuses_options_of_another_kind_of_traffic(args, says):
     result = CliRunner().invoke(app, ["sim", "run", "--model", DESIGN, *args])
     assert result.exit_code == 2
     assert says in " ".join(result.output.split())
+
+
+def test_routing_options_set_the_policys_fields_and_bad_ones_are_refused_by_name():
+    from backends.sim.cli import routing_config
+
+    config = routing_config("cache_aware", ["load_cost_tokens=256", "tokenizer=gpt2"])
+    assert (config.load_cost_tokens, config.tokenizer) == (256, "gpt2")
+    for options, says in ((["load_cost_tokens=-1"], "load_cost_tokens"), (["frobnicate=1"], "frobnicate"),
+                          (["load_cost_tokens"], "KEY=VALUE")):
+        with pytest.raises(typer.BadParameter, match=says):
+            routing_config("cache_aware", options)
+
+
+def test_sim_run_takes_routing_options():
+    from typer.testing import CliRunner
+
+    from gateway.cli import app
+
+    base = ["sim", "run", "--model", DESIGN, "--replicas", "2", "--requests", "4", "--output-len", "2"]
+    ok = CliRunner().invoke(app, [*base, "--routing-option", "load_cost_tokens=256"], catch_exceptions=False)
+    bad = CliRunner().invoke(app, [*base, "--routing-option", "balance_rel_threshold=0.5"])
+    assert ok.exit_code == 0, ok.output
+    assert bad.exit_code == 2 and "balance_rel_threshold" in " ".join(bad.output.split())
