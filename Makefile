@@ -56,7 +56,8 @@ docs-serve: install-dev
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8001
 
 lint: install-dev
-	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks
+	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks docs/generate.py
+	$(VENV)/bin/mypy gateway
 
 # Peers for side-by-side benchmarks only, each in its own venv under .peers/ (never test dependencies).
 .peers/vllm/bin/python:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -362,7 +362,7 @@ class Backend(abc.ABC):
         """Release every resource; after this the backend serves nothing."""
 
     @abc.abstractmethod
-    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Generate, yielding chunks as they are produced."""
 
     @abc.abstractmethod

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,7 @@ class DeepSpeedInferenceBackend(Backend):
     async def detokenize(self, token_ids: list[int]) -> str:
         return self._tokenizer().decode(token_ids, skip_special_tokens=False)
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         if self._thread is None or not self._thread.is_alive():
             raise UnavailableError("DeepSpeed-Inference is not running")
         refuse_unsupported(request, self.unsupported, "DeepSpeed-Inference")

@@ -24,7 +24,7 @@ and looks the same to the client whichever deployment answered. Items the gatewa
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from backends.base import (
@@ -65,7 +65,7 @@ class OpenAIHTTPBackend(Backend):
         await self._http.close()
 
     # ----------------------------------------------------------------------------------- protocol
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         if request.responses is not None and await self.relays_responses():
             async for chunk in self._relay_responses(request.responses):
                 yield chunk

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -64,7 +64,7 @@ class TextServerBackend(Backend):
     async def info(self) -> BackendInfo:
         return BackendInfo(model_ids=[self.upstream_model])
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         if request.messages is not None and self._chat_server is not None:
             async with contextlib.aclosing(self._chat_server.stream(request)) as chunks:
                 async for chunk in chunks:

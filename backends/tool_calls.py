@@ -24,7 +24,7 @@ import abc
 import dataclasses
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from backends.base import GenerationChunk, InvalidRequestError, StructuredOutput, ToolCallDelta, ToolChoice, random_id
@@ -206,7 +206,7 @@ def _is_json(text: str) -> bool:
 
 
 async def parse_tool_calls(chunks: AsyncIterator[GenerationChunk], parser: str, tool_choice: ToolChoice
-                           ) -> AsyncIterator[GenerationChunk]:
+                           ) -> AsyncGenerator[GenerationChunk, None]:
     """``chunks`` with each choice's text split into content and tool calls by ``parser``; a choice that
     called a tool ends with "tool_calls" (OpenAI's reason; "stop" when ``tool_choice`` named the function)."""
     parsers: dict[int, ToolCallParser] = {}

@@ -23,7 +23,7 @@ class KeyRing:
     """A set of keys, by digest."""
 
     def __init__(self, keys: list[ApiKey]) -> None:
-        self._keys = [(k.sha256.lower(), k) for k in keys]  # hash_key's form; sha256: may be given in capitals
+        self._keys = [((k.sha256 or "").lower(), k) for k in keys]  # hash_key's form; sha256 may be in capitals
 
     def __bool__(self) -> bool:
         return bool(self._keys)

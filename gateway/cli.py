@@ -7,7 +7,7 @@ import logging
 import os
 from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args, get_origin
 
 import typer
 from pydantic import BaseModel, ValidationError
@@ -76,13 +76,19 @@ def _engine_choices(name: str, field: str) -> type[Enum]:
     """The choices of an engine option, as the engine's config declares them (its Literal): one list, not a copy."""
     annotation = EngineConfig.model_fields[field].annotation
     (literal,) = (a for a in (annotation, *get_args(annotation)) if get_origin(a) is Literal)
-    return Enum(name, {value: value for value in get_args(literal)}, type=str)
+    return cast(type[Enum], Enum(name, {value: value for value in get_args(literal)}, type=str))
 
 
-Dtype = _engine_choices("Dtype", "dtype")
-Quantization = _engine_choices("Quantization", "quantization")
-KvCacheDtype = _engine_choices("KvCacheDtype", "kv_cache_dtype")
-ExecutorBackend = _engine_choices("ExecutorBackend", "distributed_executor_backend")
+if TYPE_CHECKING:  # made at run time from the engine config's Literals; to a type checker, enums of strings
+    from enum import StrEnum as Dtype
+    from enum import StrEnum as ExecutorBackend
+    from enum import StrEnum as KvCacheDtype
+    from enum import StrEnum as Quantization
+else:
+    Dtype = _engine_choices("Dtype", "dtype")
+    Quantization = _engine_choices("Quantization", "quantization")
+    KvCacheDtype = _engine_choices("KvCacheDtype", "kv_cache_dtype")
+    ExecutorBackend = _engine_choices("ExecutorBackend", "distributed_executor_backend")
 
 
 class BackendKind(StrEnum):
@@ -243,8 +249,8 @@ def serve(
 
     from gateway.http_server import uvicorn_options
 
-    log_level = log_level.value
-    configure_logging(log_level, log_format)
+    level = log_level.value
+    configure_logging(level, log_format)
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise typer.BadParameter("HTTPS needs both --ssl-keyfile and --ssl-certfile", param_hint="--ssl-certfile")
     if (ssl_ca_certs is not None or ssl_cert_reqs) and ssl_certfile is None:
@@ -275,19 +281,19 @@ def serve(
     if workers > 1:
         os.environ[_SERVE_ENV] = WorkerOptions(config=config, model=model, served_model_name=served_model_name,
                                                backend=backend, otlp_traces_endpoint=otlp_traces_endpoint,
-                                               engine_options=engine_options, log_level=log_level,
+                                               engine_options=engine_options, log_level=level,
                                                log_format=log_format).model_dump_json()
         uvicorn.run("gateway.cli:app_from_env", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level, **options)
+                    log_level=level, **options)
         return
     from gateway.app import create_app
     from gateway.service import Gateway
 
-    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=log_level, **options)
+    uvicorn.run(create_app(Gateway.from_settings(settings)), host=host, port=port, log_level=level, **options)
 
 
 
-def _check_tls_files(certfile: Path, keyfile: Path, ca_certs: Path | None) -> None:
+def _check_tls_files(certfile: Path, keyfile: Path | None, ca_certs: Path | None) -> None:
     """Files that do not load fail here, named, not as a traceback when uvicorn starts."""
     import ssl
 
@@ -304,8 +310,12 @@ def _check_tls_files(certfile: Path, keyfile: Path, ca_certs: Path | None) -> No
         raise typer.BadParameter(f"no CA certificates there: {exc}", param_hint="--ssl-ca-certs") from None
 
 
-GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)  # typer choices
-InterconnectName = Enum("InterconnectName", {name.replace("-", "_"): name for name in INTERCONNECTS}, type=str)
+if TYPE_CHECKING:  # typer's choices, made from the tables at run time
+    from enum import StrEnum as GpuName
+    from enum import StrEnum as InterconnectName
+else:
+    GpuName = Enum("GpuName", {name.replace("-", "_"): name for name in GPUS}, type=str)
+    InterconnectName = Enum("InterconnectName", {name.replace("-", "_"): name for name in INTERCONNECTS}, type=str)
 
 
 class PlanDtype(StrEnum):
@@ -367,7 +377,7 @@ def plan(
         metavar="LINK", help=f"With --gpus: how GPUs in a node are joined, one of {', '.join(INTERCONNECTS)} "
         "(default: the GPU type's).", rich_help_panel=SPLIT)] = None,
     network: Annotated[InterconnectName, typer.Option(metavar="LINK", help="With --gpus: how nodes are joined.",
-                                                      rich_help_panel=SPLIT)] = "ib-200g",
+                                                      rich_help_panel=SPLIT)] = InterconnectName("ib-200g"),
     gpus_per_node: Annotated[int, typer.Option(min=1, metavar="N", help="With --gpus: GPUs in a node.", rich_help_panel=SPLIT)] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.", rich_help_panel=MODEL_GPU)] = False,
 ) -> None:
@@ -507,7 +517,7 @@ def _plan_for_slo(model: Path, gpus: list[str], slo_texts: list[str], rate: floa
     typer.echo(f"{model.name}, {traffic}, {limits}, routing {routing} (simulated fleets, backends/sim):")
     for p in plans:
         answer = (f"{p.replicas} replica{'s' if p.replicas > 1 else ''} x TP {p.tensor_parallel_size} = {p.gpus} "
-                  f"GPU{'s' if p.gpus > 1 else ''}" if p.replicas else p.why)
+                  f"GPU{'s' if (p.gpus or 0) > 1 else ''}" if p.replicas else p.why)
         others = "; ".join(f"TP {o.tensor_parallel_size}: " + (f"{o.replicas} x {o.tensor_parallel_size} = {o.gpus}"
                                                                if o.replicas else o.why) for o in p.others)
         typer.echo(f"  {p.gpu}: {answer}" + (f" (also tried {others})" if others else ""))

@@ -6,13 +6,18 @@ Every ``burstgate`` command is declared with ``cls=HelpCommand`` (a group: ``Hel
 
 from __future__ import annotations
 
-import click
+from typing import TYPE_CHECKING
+
 from typer.core import TyperCommand, TyperGroup
+
+if TYPE_CHECKING:  # typer vendors its own click: its types, not the click package's
+    from typer._click.core import Context
+    from typer._click.formatting import HelpFormatter
 
 GENERAL = "Options"  # the section of options declared without a panel (and --help)
 
 
-def given(ctx: click.Context, name: str) -> bool:
+def given(ctx: Context, name: str) -> bool:
     """Whether the user set option ``name`` (typer vendors its own click: the source compared by name)."""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name != "DEFAULT"
@@ -23,7 +28,7 @@ class _Examples:
 
     epilog: str | None
 
-    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_epilog(self, ctx: Context, formatter: HelpFormatter) -> None:
         if not self.epilog:
             return
         with formatter.section("Examples"):
@@ -34,7 +39,7 @@ class _Examples:
 class HelpCommand(_Examples, TyperCommand):
     """A typer command whose help groups its options by panel and keeps its examples' lines."""
 
-    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    def format_options(self, ctx: Context, formatter: HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)

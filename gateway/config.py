@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -100,7 +100,10 @@ DeploymentConfig = Annotated[
     Discriminator(_kind)]
 
 
-RoutingConfig = routing_config()  # every registered policy's config, by its ``policy:``
+if TYPE_CHECKING:  # made at run time from the registered policies: to a type checker, any policy's config
+    from gateway.routing.policy import PolicyConfig as RoutingConfig
+else:
+    RoutingConfig = routing_config()  # every registered policy's config, by its ``policy:``
 
 
 class ModelRoute(_Strict):
@@ -262,7 +265,7 @@ def hash_key(key: str) -> str:
 
 def load_settings(path: str | Path | None = None) -> Settings:
     """Read a YAML config file (optional) and apply ``BURSTGATE_*`` environment overrides."""
-    data = {}
+    data: dict[str, Any] = {}
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):

@@ -137,9 +137,9 @@ def _document_400_not_422(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
-        return app.openapi_schema
+        return app.openapi_schema or {}  # build() keeps its schema there
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to change the schema
 
 
 def install(app: FastAPI) -> None:

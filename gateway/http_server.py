@@ -137,7 +137,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         idle = [c for c in self.connections if c is not self and getattr(c, "_idle_since", None) is not None]
         if not idle:
             return False
-        oldest = min(idle, key=lambda c: c._idle_since)
-        oldest._idle_since = None
+        oldest = min(idle, key=lambda c: c._idle_since)  # type: ignore[union-attr]  # set by our protocol only
+        oldest._idle_since = None  # type: ignore[union-attr]
         oldest.transport.close()
         return True

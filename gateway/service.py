@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from backends.base import (
@@ -133,6 +133,7 @@ class Gateway:
 
     async def _join(self, group: ModelGroup, cfg: DeploymentConfig) -> Deployment:
         """A discovered replica: built, started, checked once, then routed to."""
+        assert cfg.name is not None  # discovery names each replica (Membership.replica)
         d = build_deployment(group.name, cfg, cfg.name, self.resilience)
         await d.backend.start()
         d.healthy = await self.health.check(d)
@@ -190,7 +191,7 @@ class Gateway:
             return dataclasses.replace(caller, window=window)
         except GatewayError as exc:
             self.metrics.rate_limited.labels(caller.name).inc()
-            if span is not None:
+            if span is not None and self.tracing is not None:
                 self.tracing.failed(span, "rate_limited", exc.message)
             raise
         finally:
@@ -208,7 +209,7 @@ class Gateway:
         return group
 
     async def generate(self, group: ModelGroup, request: GenerationRequest, caller: Caller,
-                       conversation: Conversation | None = None) -> AsyncIterator[GenerationChunk]:
+                       conversation: Conversation | None = None) -> AsyncGenerator[GenerationChunk, None]:
         """Stream one request. Failures before the first chunk are retried on other deployments (with
         backoff), then on the fallback models; the last error propagates as raised. After the first
         chunk a failure ends the stream. Closing the iterator aborts the backend's work. A request of a
@@ -217,7 +218,9 @@ class Gateway:
         reserved for it."""
         used: list[int] = []  # tokens per attempt
         try:
-            attempt, last_error, failed = 0, None, None
+            attempt = 0
+            last_error: BackendError | None = None
+            failed: tuple[str, str] | None = None
             for g in [group, *(self.groups[name] for name in group.fallbacks)]:
                 if g is not group:
                     self.metrics.fallbacks.labels(group.name, g.name).inc()
@@ -234,7 +237,7 @@ class Gateway:
                         break
                     deployment = choice.deployment
                     self._dispatched(g, choice, conversation, attempt + 1)
-                    if failed is not None:
+                    if failed is not None and last_error is not None:
                         self.metrics.retries.labels(*failed, last_error.kind).inc()
                     attempt += 1
                     tried.append(deployment)
@@ -271,7 +274,7 @@ class Gateway:
             self.tracing.route(group.name, group.routing, choice, attempt)
         if (blocks := group.policy.index_blocks(d)) is not None:
             self.metrics.prefix_index_blocks.labels(group.name, d.name).set(blocks)
-            self.metrics.prefix_index_precise.labels(group.name, d.name).set(group.policy.index_precise(d))
+            self.metrics.prefix_index_precise.labels(group.name, d.name).set(bool(group.policy.index_precise(d)))
         d.breaker.dispatch()
 
     def _settle(self, caller: Caller, request: GenerationRequest, used: list[int]) -> None:
@@ -286,7 +289,7 @@ class Gateway:
         settle.add_done_callback(self._settling.discard)
 
     async def _attempt(self, group: ModelGroup, deployment: Deployment, request: GenerationRequest,
-                       used: list[int]) -> AsyncIterator[GenerationChunk]:
+                       used: list[int]) -> AsyncGenerator[GenerationChunk, None]:
         """One try on one deployment: its slot held, its deadlines enforced, its breaker and metrics fed; the
         tokens it used (also when it ends early) added to ``used``."""
         labels = (group.name, deployment.name)
@@ -294,7 +297,7 @@ class Gateway:
         start = last = time.perf_counter()
         status, first, tally = "error", True, UsageTally()  # counts tokens also when the request ends early
         span = self.tracing.upstream(group.name, deployment) if self.tracing else None
-        traceparent = self.tracing.traceparent(span) if span is not None else None
+        traceparent = self.tracing.traceparent(span) if span is not None and self.tracing is not None else None
         try:
             async with deployment.limiter:
                 m.in_flight.labels(*labels).inc()
@@ -327,7 +330,7 @@ class Gateway:
                 deployment.breaker.failure()
             else:
                 deployment.breaker.release()
-            if span is not None:
+            if span is not None and self.tracing is not None:
                 self.tracing.failed(span, exc.kind, exc.message)
             raise
         except BaseException:  # GeneratorExit / CancelledError: the client left

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -19,7 +19,7 @@ from gateway.wire.encoding import DONE, ResponseWriter
 T = TypeVar("T")
 
 
-async def fold(stream: AsyncIterator, writer: ResponseWriter) -> JSONResponse:
+async def fold(stream: AsyncGenerator, writer: ResponseWriter) -> JSONResponse:
     """A non-streaming answer: the whole stream folded into one body per choice."""
     choices: dict[int, GenerationChunk] = {}
     tally = UsageTally()
@@ -37,7 +37,7 @@ async def first(stream: AsyncIterator):
     return await anext(stream, None)
 
 
-async def sse(head, stream: AsyncIterator, writer: ResponseWriter) -> AsyncIterator[bytes]:
+async def sse(head, stream: AsyncGenerator, writer: ResponseWriter) -> AsyncIterator[bytes]:
     """A streaming answer's server-sent events: ``head``, the first chunk (awaited before the response began, so
     that errors up to it keep their HTTP status), then the rest of ``stream``; later failures are reported
     in-band."""
@@ -48,9 +48,8 @@ async def sse(head, stream: AsyncIterator, writer: ResponseWriter) -> AsyncItera
             tally = UsageTally()
             async for chunk in _chain([head] if head is not None else [], chunks):
                 tally.add(chunk)
-                event = writer.chunk_event(chunk)
-                if event:
-                    yield event
+                if encoded := writer.chunk_event(chunk):
+                    yield encoded
             if writer.include_usage:
                 yield writer.usage_event(tally.usage or tally.total())
         except Exception as exc:  # after the first byte the status is sent: report in-band
@@ -58,12 +57,12 @@ async def sse(head, stream: AsyncIterator, writer: ResponseWriter) -> AsyncItera
         yield DONE
 
 
-async def merge(streams: list[AsyncIterator[GenerationChunk]], n: int) -> AsyncIterator[GenerationChunk]:
+async def merge(streams: list[AsyncGenerator[GenerationChunk, None]], n: int) -> AsyncGenerator[GenerationChunk, None]:
     """The chunks of several prompts' requests as they come: prompt i's choice j becomes choice i*n + j and
     usage is the sum of the requests' (vLLM's numbering and counting for a list of prompts)."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k: int, stream: AsyncIterator[GenerationChunk]) -> None:
+    async def pump(k: int, stream: AsyncGenerator[GenerationChunk, None]) -> None:
         try:
             async for chunk in stream:
                 await queue.put((k, chunk))
@@ -107,6 +106,7 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     raised (vLLM's ``with_cancellation``). ``work`` runs in this task and a watcher cancels it: one task per
     request instead of two raced by ``asyncio.wait``, which cost instructions on every request."""
     this = asyncio.current_task()
+    assert this is not None  # a coroutine of a request runs in its task
     gone = False
 
     async def watch() -> None:

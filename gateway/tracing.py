@@ -101,7 +101,7 @@ class Tracing:
         span.set_attribute("burstgate.error", kind)
 
 
-def _exporter(endpoint: str):
+def _exporter(endpoint: str | None):
     protocol = os.environ.get(PROTOCOL_ENV, "http/protobuf")
     if protocol == "grpc":
         try:

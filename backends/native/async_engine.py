@@ -17,7 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,7 +72,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[GenerationChunk]:
+                       ) -> AsyncGenerator[GenerationChunk, None]:
         """Chunks of one request (of its ``n`` choices) as they are produced; raises ``InvalidRequestError`` up
         front (the one validation a request gets). A structured output's grammar is compiled here, in a
         worker thread, before the request reaches the engine: the engine thread never waits for it."""

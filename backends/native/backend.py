@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ class NativeBackend(Backend):
         return self._engine
 
     # ----------------------------------------------------------------------------------- protocol
-    def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """The engine's own stream of chunks: closing it (the client left) aborts the request. With tools,
         a forced ``tool_choice`` becomes the grammar of the call and the text is parsed into tool calls."""
         if self._async is None:
@@ -81,7 +81,7 @@ class NativeBackend(Backend):
         return chunks
 
     async def _echo(self, chunks: AsyncIterator[GenerationChunk], prompt_text: str, first_token: int
-                    ) -> AsyncIterator[GenerationChunk]:
+                    ) -> AsyncGenerator[GenerationChunk, None]:
         """Each choice's first chunk with the prompt before it: its text, and with logprobs the prompt's
         (vLLM's echo: the prompt logprobs, the first token's None)."""
         echoed: set[int] = set()

@@ -109,6 +109,7 @@ class ResponseAssembler:
             if self._open is None or self._open["type"] != "message":
                 events += self._close() + self._open_message()
             item = self._open
+            assert item is not None  # opened just above when none was
             logprobs = self._chunk_logprobs(chunk)
             item["content"][0]["text"] += chunk.text
             self._logprobs += logprobs
@@ -153,11 +154,11 @@ class ResponseAssembler:
         self._open = item
 
     def _open_message(self) -> list[dict[str, Any]]:
-        item = {"id": f"msg_{random_id()}", "type": "message", "status": "in_progress", "content": [],
-                "role": "assistant"}
+        item: dict[str, Any] = {"id": f"msg_{random_id()}", "type": "message", "status": "in_progress",
+                                "content": [], "role": "assistant"}
         self._add(item)
         index = len(self.items) - 1
-        part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        part: dict[str, Any] = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
         events = [self._event("response.output_item.added", output_index=index, item=_copy(item)),
                   self._event("response.content_part.added", item_id=item["id"], output_index=index,
                               content_index=0, part=dict(part))]
@@ -186,7 +187,7 @@ class ResponseAssembler:
     def _chunk_logprobs(self, chunk: GenerationChunk) -> list[dict[str, Any]]:
         if not self.request.logprobs or chunk.logprobs is None:
             return []
-        return chat_logprobs(chunk.logprobs, self.request.top_logprobs or 0)["content"]
+        return (chat_logprobs(chunk.logprobs, self.request.top_logprobs or 0) or {})["content"]
 
     def _event(self, type_: str, **fields: Any) -> dict[str, Any]:
         event = {"type": type_, **fields, "sequence_number": self._sequence}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,7 @@ class Turn:
     assembler: ResponseAssembler
     history: list[dict[str, Any]]  # the conversation before this turn, as chat messages (no instructions)
     conversation: Conversation
-    chunks: AsyncIterator[GenerationChunk]
+    chunks: AsyncGenerator[GenerationChunk, None]
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as stored: each with an id
 
     def record(self, response: dict[str, Any]) -> StoredResponse:

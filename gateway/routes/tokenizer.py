@@ -5,6 +5,8 @@ they generate nothing and tell no more than ``/tokenize`` does, so burstgate ser
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 
 from backends.base import InvalidRequestError, random_id
@@ -26,7 +28,7 @@ async def tokenize(body: TokenizeRequest, request: Request, _: Caller = Depends(
     tools = [t.as_template_input() for t in body.tools] if body.tools else None
     ids = await backend.tokenize(body.prompt, messages, body.add_special_tokens, tools)
     info = await backend.info()
-    out = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = [await backend.detokenize([i]) for i in ids]
     return out

@@ -72,6 +72,7 @@ class CacheAwareConfig(PolicyConfig):
 class CacheAware(Policy):
     name = "cache_aware"
     Config = CacheAwareConfig
+    config: CacheAwareConfig
     needs_tokens = True
 
     def __init__(self, config: CacheAwareConfig, deployments: list[Deployment]) -> None:
@@ -183,6 +184,7 @@ class CacheAware(Policy):
 def _engine_block_size(deployments: list[Deployment]) -> int | None:
     """The KV block size of an in-process native engine among ``deployments`` (once started), if any."""
     for d in deployments:
-        if d.backend.stats() is not None:  # in process, and started
-            return d.backend.engine.blocks.block_size
+        engine = getattr(d.backend, "engine", None)
+        if engine is not None and d.backend.stats() is not None:  # in process, and started
+            return engine.blocks.block_size
     return None

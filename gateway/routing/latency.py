@@ -19,6 +19,7 @@ class LatencyConfig(PolicyConfig):
 class Latency(Policy):
     name = "latency"
     Config = LatencyConfig
+    config: LatencyConfig
 
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
         return Choice(least_loaded(candidates, lambda d: (d.ttft_ewma_s or 0.0) * (d.outstanding + 1) / d.weight),

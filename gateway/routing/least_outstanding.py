@@ -19,6 +19,7 @@ class LeastOutstandingConfig(PolicyConfig):
 class LeastOutstanding(Policy):
     name = "least_outstanding"
     Config = LeastOutstandingConfig
+    config: LeastOutstandingConfig
 
     def choose(self, candidates: list[Deployment], request: RoutedRequest) -> Choice:
         return Choice(least_loaded(candidates, lambda d: d.outstanding / d.weight), "least_outstanding")

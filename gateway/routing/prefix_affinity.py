@@ -30,6 +30,7 @@ class PrefixAffinityConfig(PolicyConfig):
 class PrefixAffinity(Policy):
     name = "prefix_affinity"
     Config = PrefixAffinityConfig
+    config: PrefixAffinityConfig
 
     def __init__(self, config: PrefixAffinityConfig, deployments: list[Deployment]) -> None:
         super().__init__(config, deployments)

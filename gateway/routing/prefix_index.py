@@ -68,7 +68,7 @@ class PrefixIndex:
     def removed(self, deployment: str, engine_hashes: list) -> None:
         """The engine evicted these blocks."""
         names = self._engine_keys.get(deployment, {})
-        held = self._keys.get(deployment, {})
+        held = self._keys.get(deployment) or OrderedDict()
         for engine_hash in engine_hashes:
             key = names.pop(engine_hash, None)
             if key is not None:

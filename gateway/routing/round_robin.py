@@ -18,6 +18,7 @@ class RoundRobinConfig(PolicyConfig):
 class RoundRobin(Policy):
     name = "round_robin"
     Config = RoundRobinConfig
+    config: RoundRobinConfig
 
     def __init__(self, config: RoundRobinConfig, deployments: list[Deployment]) -> None:
         super().__init__(config, deployments)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import json
 import time
+from typing import Any
 
 from backends.base import GenerationChunk, TokenLogprob, ToolCallDelta, Usage
 
@@ -29,8 +30,8 @@ def _floor(logprob: float) -> float:
 def usage_dict(usage: Usage | None, details: bool = True) -> dict | None:
     if usage is None:
         return None
-    out = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens,
-           "completion_tokens": usage.completion_tokens}
+    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.total_tokens,
+                           "completion_tokens": usage.completion_tokens}
     if details:
         out["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens} if usage.cached_tokens else None
         out["completion_tokens_details"] = None
@@ -41,8 +42,8 @@ def _finish(reason: str | None) -> str | None:
     return None if reason is None else ("stop" if reason == "abort" else reason)
 
 
-def _token_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": _floor(logprob), "bytes": list(token.encode("utf-8", "replace"))}
+def _token_entry(token: str, logprob: float | None) -> dict:
+    return {"token": token, "logprob": None if logprob is None else _floor(logprob), "bytes": list(token.encode("utf-8", "replace"))}
 
 
 def chat_logprobs(lps: list[TokenLogprob] | None, top_k: int) -> dict | None:
@@ -73,7 +74,7 @@ def prompt_logprobs(entries: list[TokenLogprob | None] | None) -> list | None:
     token and its alternatives (ranked 1, 2, ...), None for the first token."""
     if entries is None:
         return None
-    out = []
+    out: list[dict | None] = []
     for e in entries:
         if e is None:
             out.append(None)
@@ -144,7 +145,7 @@ class ResponseWriter:
 
     def _chat_choice(self, c: GenerationChunk) -> dict:
         calls = tool_calls_full(c.tool_calls)
-        message = {"role": "assistant", "content": None if calls and not c.text else c.text, "refusal": None,
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls and not c.text else c.text, "refusal": None,
                    "annotations": None, "audio": None, "function_call": None}
         if calls:
             message["tool_calls"] = calls
@@ -169,8 +170,8 @@ class ResponseWriter:
 
     def _running_usage(self, index: int | None) -> dict:
         completion = 0 if index is None else self._tokens[index]
-        out = {"prompt_tokens": self._prompt_tokens, "total_tokens": self._prompt_tokens + completion,
-               "completion_tokens": completion}
+        out: dict[str, Any] = {"prompt_tokens": self._prompt_tokens, "total_tokens": self._prompt_tokens + completion,
+                               "completion_tokens": completion}
         if self.chat:
             out["completion_tokens_details"] = None
         return out

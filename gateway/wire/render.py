@@ -24,6 +24,7 @@ def rendered(request_id: str, token_ids: list[int], request: GenerationRequest, 
     if not token_ids:
         raise InvalidRequestError("The prompt is empty: nothing to render.", param="prompt")
     p = request.params
+    max_tokens: int | None = p.max_tokens
     if request.tools and request.tool_choice != "none":  # call markers may be special tokens: the parser reads them
         p = dataclasses.replace(p, skip_special_tokens=False)  # (as the native backend and vLLM's parsers set it)
     if max_model_len is not None:
@@ -34,8 +35,6 @@ def rendered(request_id: str, token_ids: list[int], request: GenerationRequest, 
                 f"{max_tokens} output tokens and your prompt contains {len(token_ids)} input tokens, for a total of "
                 f"{len(token_ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number "
                 "of requested output tokens.", param="input_tokens", code="context_length_exceeded")
-    else:
-        max_tokens = p.max_tokens
     return {"request_id": request_id, "token_ids": token_ids, "token_offsets": None, "features": None,
             "content_parts": None, "sampling_params": sampling_params(p, max_tokens, request.stream),
             "model": request.model, "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.base import GenerationRequest, InvalidRequestError, SamplingParams, StructuredOutput
+from backends.base import GenerationRequest, InvalidRequestError, SamplingParams, StructuredOutput, ToolChoice
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: "values between -100 and 100"; vLLM clamps to it
@@ -272,7 +272,9 @@ class _Sampling(_Request):
         if rf.type == "structural_tag":
             return StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": rf.format}),
                                     "response_format")
-        return _json_schema(rf.json_schema.schema_, "response_format", whitespace, rf.json_schema.name)
+        schema = rf.json_schema
+        assert schema is not None  # ResponseFormat's validator requires it for this type
+        return _json_schema(schema.schema_, "response_format", whitespace, schema.name)
 
     @property
     def include_usage(self) -> bool:
@@ -371,12 +373,13 @@ class ChatCompletionRequest(_Sampling):
         if tools == []:
             raise InvalidRequestError("`tools` must not be an empty array. Either provide at least one tool or "
                                       "omit the field entirely.", param="tools")
-        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
-        if isinstance(choice, NamedToolChoice):
-            if not any(t["function"]["name"] == choice.function.name for t in tools or []):
+        named = self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else None
+        choice: ToolChoice = self.tool_choice if isinstance(self.tool_choice, str) else ("auto" if tools else "none")
+        if named is not None:
+            if not any(t["function"]["name"] == named.function.name for t in tools or []):
                 raise InvalidRequestError("The tool specified in `tool_choice` does not match any of the specified "
                                           "`tools`", param="tool_choice")
-            choice = choice.model_dump()
+            choice = named.model_dump()
         elif choice != "none" and not tools:
             raise InvalidRequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
         return GenerationRequest(request_id, self.model, self.to_sampling_params(), messages=self.template_messages(),
@@ -403,7 +406,7 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt (text or token ids) of the request; a list of several gets one choice each."""
         p = self.prompt
-        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        prompts: list = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
         for one in prompts:
             if isinstance(one, list) and not one:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
