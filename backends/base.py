@@ -340,7 +340,7 @@ def refuse_unsupported(request: GenerationRequest, unsupported: tuple[str, ...],
     for name in unsupported:
         used = bool(getattr(request, name)) if name in REQUEST_OPTIONS else getattr(p, name) != getattr(_DEFAULTS, name)
         if used:
-            param = p.structured.param if name == "structured" else name
+            param = p.structured.param if name == "structured" and p.structured is not None else name
             raise InvalidRequestError(f"{param} is not supported by {server} backends", param=param)
     refuse_extra_fields(request, server)
 

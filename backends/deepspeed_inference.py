@@ -62,7 +62,7 @@ class DeepSpeedInferenceBackend(Backend):
         self.cfg = cfg
         self.max_batch_size = cfg.max_batch_size
         self.dtype = torch_dtype_named(cfg.dtype)
-        self.model = None
+        self.model: Any = None  # the torch module init_inference returns, once started
         self.tokenizer: Tokenizer | None = None
         self.max_model_len = 0
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -239,10 +239,11 @@ class DeepSpeedInferenceBackend(Backend):
 
     def _append(self, job: _Job, sampled: Sampled) -> str | None:
         """Record one sampled token, stream its text; the finish reason once the sequence is done."""
-        seq = job.seq
+        seq, tokenizer = job.seq, self.tokenizer
+        assert seq.stop is not None and tokenizer is not None  # every sequence has its checker; loaded at start
         seq.token_ids.append(sampled.token_id)
         text, reason = seq.stop.add(sampled.token_id, seq.num_tokens)
-        logprobs = token_logprobs(self.tokenizer, sampled) if seq.params.logprobs is not None else None
+        logprobs = token_logprobs(tokenizer, sampled) if seq.params.logprobs is not None else None
         job.emit(GenerationChunk(text=text, token_ids=[sampled.token_id], logprobs=logprobs, finish_reason=reason,
                                  usage=Usage(seq.num_prompt, seq.num_output) if reason else None))
         return reason

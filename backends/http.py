@@ -132,7 +132,7 @@ class HTTPClient:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=cfg.connect_timeout_s,
                                               sock_read=cfg.read_timeout_s)
         self._ssl = cfg.tls_verify()
-        self._tls_name = {"server_hostname": cfg.tls_server_name} if cfg.tls_server_name else {}
+        self._server_hostname = cfg.tls_server_name  # None: the URL's host
         self._session: aiohttp.ClientSession | None = None
 
     def _url(self, path: str) -> str:
@@ -150,14 +150,15 @@ class HTTPClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         async with transport_errors(self.name), self._client().request(
                 method, self._url(path), json=json, timeout=timeout, headers=_request_id_header(),
-                **self._tls_name) as r:
+                server_hostname=self._server_hostname) as r:
             return Reply(r.status, await r.read(), r.headers)
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, path: str, json: Any = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """The response with its body unread (``lines`` reads it); wrap the reading in ``transport_errors``."""
         async with transport_errors(self.name), self._client().request(
-                method, self._url(path), json=json, headers=_request_id_header(), **self._tls_name) as r:
+                method, self._url(path), json=json, headers=_request_id_header(),
+                server_hostname=self._server_hostname) as r:
             yield r
 
     async def ok(self, path: str, timeout_s: float = 5.0) -> bool:

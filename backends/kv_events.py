@@ -70,7 +70,7 @@ def decode_events(payload: bytes) -> list[KVCacheEvent]:
     events: list[KVCacheEvent] = []
     for raw in batch[1] if isinstance(batch, list) and len(batch) > 1 else []:
         if isinstance(raw, dict):
-            kind, fields = raw.get("type"), raw
+            kind, fields = str(raw.get("type")), raw
         elif isinstance(raw, list) and raw and raw[0] in _BY_POSITION:
             kind, fields = raw[0], dict(zip(_BY_POSITION[raw[0]], raw[1:], strict=False))
         else:
@@ -93,7 +93,7 @@ class ZmqEventPublisher:
     def __post_init__(self) -> None:
         import zmq
 
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.bind(self.endpoint)
         self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from backends.base import (
+    FinishReason,
     GenerationChunk,
     InvalidRequestError,
     OverloadedError,
@@ -73,5 +74,5 @@ class LightLLMBackend(GenerateAPIBackend):
             usage=Usage(token.get("prompt_tokens", 0), token.get("count_output_tokens", 0)) if finished else None)
 
 
-def _finish(reason: str | None) -> str:
+def _finish(reason: str | None) -> FinishReason:
     return "length" if reason == "length" else "stop"

@@ -13,10 +13,11 @@ is Flask's 500. ``GET /healthz`` answers "ok". MII's OpenAI server is reached wi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from backends.base import (
+    FinishReason,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -44,7 +45,7 @@ class MIIRestBackend(TextServerBackend):
         super().__init__(model_name, cfg)
         self.path = f"/mii/{cfg.upstream_model}"
 
-    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         r = await self._http.call("POST", self.path, json={"prompts": [prompt], **mii_parameters(request.params)})
         raise_for_status(r.status, r.content, {404: UnavailableError}, "message")
         try:
@@ -73,5 +74,5 @@ def mii_parameters(p: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _mii_finish(reason: str) -> str:
+def _mii_finish(reason: str) -> FinishReason:
     return "length" if reason == "length" else "stop"

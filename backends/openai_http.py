@@ -31,6 +31,7 @@ from backends.base import (
     Backend,
     BackendError,
     BackendInfo,
+    FinishReason,
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
@@ -113,7 +114,7 @@ class OpenAIHTTPBackend(Backend):
             models = json.loads(r.content).get("data", [])
         except (ValueError, AttributeError) as exc:
             raise UnavailableError(f"{self.name}: cannot list models: {exc!r}") from exc
-        mine = next((m for m in models if m.get("id") == self.upstream_model), {})
+        mine: dict[str, Any] = next((m for m in models if m.get("id") == self.upstream_model), {})
         return BackendInfo(model_ids=[m.get("id") for m in models], max_model_len=mine.get("max_model_len"))
 
     async def tokenize(self, text: str | None = None, messages: list[dict[str, Any]] | None = None,
@@ -170,7 +171,7 @@ def _structured_fields(so: StructuredOutput) -> dict[str, Any]:
         value: Any = json.loads(so.spec)
     else:
         value = True if so.kind == "json_object" else so.spec  # regex, grammar: the text itself
-    fields = {so.kind: value}
+    fields: dict[str, Any] = {so.kind: value}
     if not so.any_whitespace:
         fields["disable_any_whitespace"] = True
     return {"structured_outputs": fields}
@@ -180,7 +181,7 @@ def _sampling_fields(p: SamplingParams, chat: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p}
     if p.max_tokens is not None:
         fields["max_tokens"] = p.max_tokens
-    optional = {
+    optional: dict[str, tuple[Any, Any]] = {
         "seed": (p.seed, None), "stop": (p.stop, []), "presence_penalty": (p.presence_penalty, 0.0),
         "frequency_penalty": (p.frequency_penalty, 0.0), "top_k": (p.top_k, -1), "min_p": (p.min_p, 0.0),
         "repetition_penalty": (p.repetition_penalty, 1.0), "ignore_eos": (p.ignore_eos, False),
@@ -279,7 +280,7 @@ async def _relayed_chunks(response) -> AsyncIterator[GenerationChunk]:
 
 def _relayed_end(response: dict[str, Any], calls: int) -> GenerationChunk:
     """A relayed response's last chunk: why it ended (cut by ``max_output_tokens``, calls made, or done), usage."""
-    reason = "length" if response.get("status") == "incomplete" else "tool_calls" if calls else "stop"
+    reason: FinishReason = "length" if response.get("status") == "incomplete" else "tool_calls" if calls else "stop"
     u = response.get("usage")
     usage = Usage(u.get("input_tokens", 0), u.get("output_tokens", 0),
                   (u.get("input_tokens_details") or {}).get("cached_tokens") or 0) if u else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -47,9 +47,9 @@ class TextServerBackend(Backend):
         self.base_url = cfg.url.rstrip("/")
         self.upstream_model = cfg.upstream_model or model_name
         self._http = HTTPClient(self.base_url, cfg, self.name)
-        self._chat_server = None
+        self._chat_server: OpenAIHTTPBackend | None = None
         self._template_path = cfg.tokenizer if cfg.chat == "template" else None
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
         if cfg.chat == "server" and self.openai_chat_path is not None:
             self._chat_server = OpenAIHTTPBackend(model_name, cfg, url=self.base_url + self.openai_chat_path)
 
@@ -103,7 +103,7 @@ class TextServerBackend(Backend):
         return request.prompt
 
     @abc.abstractmethod
-    def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def _generate(self, prompt: str, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Raw chunks from the server: text deltas (stop strings not yet cut), then one chunk with
         ``finish_reason`` and, when the server reports them, token counts in ``usage``."""
 
@@ -115,12 +115,12 @@ class GenerateAPIBackend(TextServerBackend):
     errors: ClassVar[dict[int, type[BackendError]]] = {}  # HTTP status -> our error
     error_field = "error"  # where the error body keeps its message
 
-    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _generate(self, prompt: str, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         body = {"inputs": prompt, "parameters": self.parameters(request.params)}
         if not request.stream:
-            r = await self._http.call("POST", "/generate", json=body)
-            raise_for_status(r.status, r.content, self.errors, self.error_field)
-            yield self.reply_chunk(json_body(r.content), r.headers, request.params)
+            reply = await self._http.call("POST", "/generate", json=body)
+            raise_for_status(reply.status, reply.content, self.errors, self.error_field)
+            yield self.reply_chunk(json_body(reply.content), reply.headers, request.params)
             return
         async with self._http.stream("POST", "/generate_stream", json=body) as r:
             if r.status != 200:

@@ -19,6 +19,7 @@ from typing import Any
 
 from backends.base import (
     BackendInfo,
+    FinishReason,
     GenerationChunk,
     InvalidRequestError,
     OverloadedError,
@@ -32,7 +33,7 @@ from backends.base import (
 from backends.http import json_body, raise_for_status
 from backends.text_server import GenerateAPIBackend
 
-FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+FINISH_REASONS: dict[str, FinishReason] = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 ERRORS = {422: InvalidRequestError, 400: InvalidRequestError, 413: InvalidRequestError, 424: UpstreamError,
           429: OverloadedError, 500: UpstreamError, 503: UnavailableError}
 
@@ -111,8 +112,8 @@ class TGIBackend(GenerateAPIBackend):
             usage=Usage(details.get("input_length", 0), details["generated_tokens"]) if details else None)
 
 
-def _finish(details: dict) -> str:
-    return FINISH_REASONS.get(details.get("finish_reason"), "stop")
+def _finish(details: dict) -> FinishReason:
+    return FINISH_REASONS.get(details.get("finish_reason") or "", "stop")
 
 
 def _logprob(token: dict, top: list[dict]) -> TokenLogprob:

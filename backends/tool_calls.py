@@ -284,8 +284,8 @@ def _forced_json(functions: list[dict[str, Any]], forced: str | None, parallel_t
     """The JSON a forced call is written in without a parser (vLLM's): a named function's arguments, or a list of
     calls of any function, each ``{"name", "parameters"}`` (one call only without ``parallel_tool_calls``)."""
     if forced is not None:
-        schema = next(f for f in functions if f["name"] == forced).get("parameters") or {"type": "object"}
-        return StructuredOutput("json", json.dumps(schema), "tool_choice")
+        parameters = next(f for f in functions if f["name"] == forced).get("parameters") or {"type": "object"}
+        return StructuredOutput("json", json.dumps(parameters), "tool_choice")
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
                                                "parameters": f.get("parameters") or {"type": "object"}},
               "required": ["name", "parameters"]} for f in functions]
