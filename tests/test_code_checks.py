@@ -1,6 +1,6 @@
 """The code's own checks, in the suite so that CI holds them: ruff's rule set (pyproject.toml) over every package,
 the tests, the benchmarks and the docs generator, and mypy over gateway/ and backends/ (pydantic's plugin; the
-native engine and the simulator not yet, pyproject.toml says)."""
+native engine not yet, pyproject.toml says)."""
 
 from __future__ import annotations
 

@@ -114,13 +114,13 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
     from backends.native.gpus import GPUS
     from backends.native.parallel import can_split
     from backends.native.planner import TP_SIZES, plan
-    from backends.native.weights import open_checkpoint
+    from backends.native.weights import default_model_path, open_checkpoint
     from backends.sim.profile import load_profile
 
     if tensor_parallel_size is not None:
         return _plan_at(engine, profile, requests, slos, routing, max_replicas, tensor_parallel_size,
                         tokenizer or engine_tokenizer(engine))
-    config = open_checkpoint(engine.model_path).config
+    config = open_checkpoint(engine.model_path or default_model_path()).config
     smallest = 1  # a profile of no GPU type: its replicas say themselves whether the model fits
     if load_profile(profile).memory_bytes is None:  # a CPU's: one process a replica, nothing to split over
         max_tensor_parallel_size = 1
@@ -136,8 +136,8 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
     plans: list[FleetPlan] = []
     for tp in sizes:
         answered = [p for p in plans if p.gpus is not None]
-        fewest = min(answered, key=lambda p: p.gpus) if answered else None
-        limit = min(max_replicas, fewest.gpus // tp) if fewest else max_replicas  # never more GPUs than the best
+        fewest = min(answered, key=lambda p: p.gpus or 0) if answered else None  # gpus: set for all answered
+        limit = min(max_replicas, (fewest.gpus or 0) // tp) if fewest else max_replicas  # never more GPUs than the best
         if limit < 1:
             break
         plans.append(_plan_at(engine, profile, requests, slos, routing, limit, tp, tokenizer))

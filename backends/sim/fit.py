@@ -66,6 +66,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
         i, j = np.unravel_index(np.argmin(error), error.shape)
         if best is None or error[i, j] < best[0]:
             best = (error[i, j], computes[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch)
+    assert best is not None  # the launch grid is never empty
     _, c, m, o, s, launch = best
     fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),

@@ -16,8 +16,9 @@ import itertools
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
-from backends.base import EngineStats, GenerationRequest, InvalidRequestError, SamplingParams
+from backends.base import Backend, EngineStats, GenerationRequest, InvalidRequestError, SamplingParams
 from backends.kv_events import BlockRemoved, BlockStored
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.native.engine import LLMEngine
@@ -57,7 +58,8 @@ class _Replica:
 
     def __init__(self, name: str, engine: LLMEngine, max_concurrency: int) -> None:
         self.engine = engine
-        self.deployment = Deployment(name=name, backend=self, limiter=ConcurrencyLimiter(max_concurrency, 10**9))
+        backend = cast("Backend", self)  # what the policies ask of a backend: stats(), engine
+        self.deployment = Deployment(name=name, backend=backend, limiter=ConcurrencyLimiter(max_concurrency, 10**9))
         self.busy = False
         engine.blocks.events = []  # its prefix cache's KV events, for a cache-aware policy's index
 
@@ -110,20 +112,22 @@ class VirtualFleet:
     def run(self, requests: list[SimRequest]) -> FleetResult:
         """Serve ``requests`` (and the turns they lead to) to the end; the client's view of each."""
         clock = 0.0
-        events: list[tuple[float, int, str, object]] = []
+        events: list[tuple[float, int, str, Any]] = []
         order = itertools.count()
         flights: dict[str, _Flight] = {}
         records: list[RequestRecord] = []
         steps = 0
 
-        def push(at: float, kind: str, payload: object) -> None:
+        def push(at: float, kind: str, payload: Any) -> None:
             heapq.heappush(events, (at, next(order), kind, payload))
 
         def start_step(replica: _Replica, now: float) -> None:
             nonlocal steps
             outputs = replica.engine.step()
-            events_now = list(replica.engine.blocks.events)
-            replica.engine.blocks.events.clear()
+            published = replica.engine.blocks.events
+            assert published is not None  # _Replica keeps its engine's events
+            events_now = list(published)
+            published.clear()
             if not outputs and not replica.engine.has_unfinished():
                 replica.busy = False
                 self._apply_kv_events(replica, events_now)
@@ -282,7 +286,9 @@ def trace_workload(path: Path, block_size: int = 512, time_scale: float = 1.0, s
         if r.hash_ids:
             prompt = [t for h in r.hash_ids for t in blocks.setdefault(h, _tokens(rng, block_size))]
             prompt = prompt[:r.input_length]
-        else:
+        elif r.input_length is not None:
             prompt = _tokens(rng, r.input_length)
+        else:  # a trace of prompt texts: the load tester sends those, the simulator has no tokenizer run for them
+            raise ValueError(f"{path}: the simulator needs each request's input_length (or its hash_ids)")
         requests.append(SimRequest(r.at_s * time_scale, prompt, r.output_length, r.session))
     return requests

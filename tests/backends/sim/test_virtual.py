@@ -168,3 +168,12 @@ def test_sim_run_takes_routing_options():
     bad = CliRunner().invoke(app, [*base, "--routing-option", "balance_rel_threshold=0.5"])
     assert ok.exit_code == 0, ok.output
     assert bad.exit_code == 2 and "balance_rel_threshold" in " ".join(bad.output.split())
+
+
+def test_a_trace_of_prompt_texts_is_refused_naming_what_the_simulator_needs(tmp_path):
+    from backends.sim.virtual import trace_workload
+
+    trace = tmp_path / "texts.jsonl"
+    trace.write_text('{"timestamp": 0, "prompt": "Hello there", "output_length": 4}\n')
+    with pytest.raises(ValueError, match="input_length"):
+        trace_workload(trace)
