@@ -110,6 +110,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # top alternatives per prompt token (vLLM's prompt_logprobs)
     structured: StructuredOutput | None = None
+    detokenize: bool = True  # vLLM's: False leaves the text out, token ids only (the virtual fleet's requests)
 
     MAX_LOGPROBS = 20
 
@@ -135,6 +136,7 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}."),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings."),
+            (self.detokenize or not self.stop, "stop", "stop strings are only supported when detokenize is True"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be non-negative."),
             (self.n >= 1, "n", f"n must be at least 1, got {self.n}."),
             (self.n == 1 or not self.greedy, "n", f"n must be 1 when using greedy sampling, got {self.n}."),

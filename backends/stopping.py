@@ -58,9 +58,10 @@ class StopChecker:
     """The stop rules for one sequence, fed one sampled token at a time. ``stop_reason`` says what ended it
     as vLLM reports it: the stop string or the ``stop_token_ids`` entry, None for EOS and the length limit."""
 
-    def __init__(self, params: SamplingParams, detokenizer: IncrementalDetokenizer, eos_token_ids: frozenset[int],
+    def __init__(self, params: SamplingParams, detokenizer: IncrementalDetokenizer | None, eos_token_ids: frozenset[int],
                  max_tokens: int, max_model_len: int) -> None:
-        """``max_tokens`` is the request's, resolved (what the context leaves when it gave none)."""
+        """``max_tokens`` is the request's, resolved (what the context leaves when it gave none); without a
+        ``detokenizer`` (``detokenize: false``) no text is made."""
         self.min_tokens = params.min_tokens
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
@@ -77,7 +78,8 @@ class StopChecker:
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:  # masked until min_tokens
             self.stop_reason = None if token_id in self.eos_token_ids else token_id
             return self.strings.flush(), "stop"
-        text, hit = self.strings.push(self.detokenizer.add(token_id), search=self.num_output > self.min_tokens)
+        piece = self.detokenizer.add(token_id) if self.detokenizer is not None else ""
+        text, hit = self.strings.push(piece, search=self.num_output > self.min_tokens)
         if hit:
             self.stop_reason = self.strings.hit
             return text, "stop"

@@ -185,8 +185,9 @@ class LLMEngine:
         if params.seed is not None:  # sample i draws from seed + i, as vLLM's parallel sampling does
             seq.generator = torch.Generator().manual_seed(params.seed + index)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        seq.stop = StopChecker(params, IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                               self.eos_token_ids, max_tokens, self.max_model_len)
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                       if params.detokenize else None)
+        seq.stop = StopChecker(params, detokenizer, self.eos_token_ids, max_tokens, self.max_model_len)
         if grammar is not None:
             seq.grammar = new_matcher(grammar)
         return seq

@@ -165,7 +165,8 @@ class VirtualFleet:
     def _dispatch(self, request: SimRequest, now: float, index: int) -> tuple[RequestRecord, _Flight | None]:
         """The request's record and its flight on the replica the policy chose; no flight for a request every
         replica refuses (as a served one answers 400: the record says why)."""
-        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0,
+                                detokenize=False)  # the client's view is its tokens' times: no text to make
         record = RequestRecord(index=index, target_send=request.at_s, actual_send=request.at_s,
                                max_tokens=request.max_tokens, planned_prompt_tokens=len(request.prompt),
                                prompt_tokens=len(request.prompt), fixed_output=True)

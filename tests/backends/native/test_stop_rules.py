@@ -5,7 +5,9 @@ stop strings only count in text generated after ``min_tokens``; the length limit
 
 from __future__ import annotations
 
-from backends.base import SamplingParams
+import pytest
+
+from backends.base import InvalidRequestError, SamplingParams
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -42,3 +44,15 @@ def test_stop_strings_count_only_after_min_tokens(native_engine, smollm2_tokeniz
 def test_the_length_limit_ends_with_length(native_engine, smollm2_tokenizer):
     out = _greedy(native_engine, smollm2_tokenizer.encode(PROMPT), max_tokens=3, ignore_eos=True)
     assert (out.finish_reason, len(out.token_ids), out.usage.completion_tokens) == ("length", 3, 3)
+
+
+def test_without_detokenizing_the_same_tokens_come_without_text(native_engine, smollm2_tokenizer):
+    """vLLM's ``detokenize: false`` (the virtual fleet's requests): token ids and stops as before, no text made;
+    stop strings, which need the text, are refused with vLLM's words."""
+    prompt = smollm2_tokenizer.encode(PROMPT)
+    text = _greedy(native_engine, prompt, max_tokens=8, ignore_eos=True)
+    ids_only = _greedy(native_engine, prompt, max_tokens=8, ignore_eos=True, detokenize=False)
+    assert ids_only.token_ids == text.token_ids and ids_only.finish_reason == text.finish_reason == "length"
+    assert text.text and ids_only.text == ""
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False).validate()
