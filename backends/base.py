@@ -205,6 +205,12 @@ class GenerationRequest:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("exactly one of prompt or messages must be given", param="prompt")
 
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may call tools: then its call markers, which may be special tokens, are kept in the
+        text for the parser (``skip_special_tokens`` off, as vLLM's parsers set it)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
 
 @dataclass
 class TokenLogprob:

@@ -91,14 +91,14 @@ class OpenAIHTTPBackend(Backend):
         """Whether Responses API turns go to the server's own /v1/responses: as configured, or as the server
         answers a GET there (405: the POST-only route exists; 404: it does not). Asked once; an answer that
         says neither (a proxy's error page) is not kept, and that turn goes over chat."""
-        if self._relays is None:
-            status = (await self._http.call("GET", "/responses", timeout_s=5.0)).status
-            if status in (404, 405):
-                self._relays = status == 405
-            return status == 405
-        return self._relays
+        if self._relays is not None:
+            return self._relays
+        status = (await self._http.call("GET", "/responses", timeout_s=5.0)).status
+        if status in (404, 405):
+            self._relays = status == 405
+        return status == 405
 
-    async def _relay_responses(self, turn: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
+    async def _relay_responses(self, turn: dict[str, Any]) -> AsyncGenerator[GenerationChunk, None]:
         body = {**turn, "model": self.upstream_model, "stream": True, "store": False}
         async with transport_errors(self.name), self._http.stream("POST", "/responses", json=body) as r:
             if r.status != 200:
@@ -253,7 +253,7 @@ async def _parse_sse(response, chat: bool) -> AsyncIterator[GenerationChunk]:
         raise UpstreamError("upstream stream ended without a finish reason")
 
 
-async def _relayed_chunks(response) -> AsyncIterator[GenerationChunk]:
+async def _relayed_chunks(response) -> AsyncGenerator[GenerationChunk, None]:
     """The chunks of a Responses API event stream; one that fails, or ends before its response does, raises."""
     calls = 0  # function calls opened so far: the open one's index is calls - 1
     async for event in sse_events(response):

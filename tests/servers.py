@@ -93,6 +93,20 @@ def start_replica_with_kv_events(folder: Path, events_port: int, port: int | Non
 
 
 @contextlib.contextmanager
+def replicas_with_kv_events(folder: Path, count: int = 2) -> Iterator[list[tuple[Served, int]]]:
+    """``count`` replicas of ``start_replica_with_kv_events``, each with its events port; those still running (the
+    list's entries at the end: a test may restart one in its place) are stopped afterwards."""
+    started = [(start_replica_with_kv_events(folder, port), port) for port in [free_port() for _ in range(count)]]
+    try:
+        yield started
+    finally:
+        for served, _ in started:
+            if served.proc.poll() is None:
+                served.proc.terminate()
+                served.proc.wait(timeout=120)
+
+
+@contextlib.contextmanager
 def burstgate_serve(*options: str, env: dict[str, str] | None = None,
                     verify: ssl.SSLContext | bool = True) -> Iterator[Served]:
     """``start_burstgate``, stopped (SIGTERM, then waited for) on leaving."""

@@ -64,7 +64,7 @@ class NativeBackend(Backend):
         if self._async is None:
             raise UnavailableError(f"backend {self.name} is not started")
         refuse_extra_fields(request, self.name)
-        params, calls_tools = request.params, bool(request.tools) and request.tool_choice != "none"
+        params, calls_tools = request.params, request.calls_tools
         if calls_tools:
             check_tool_request(self.config.tool_parser, request.tools, request.tool_choice, params.structured)
             fmt = call_format(self.config.tool_parser, request.tool_choice)

@@ -25,8 +25,8 @@ def rendered(request_id: str, token_ids: list[int], request: GenerationRequest, 
         raise InvalidRequestError("The prompt is empty: nothing to render.", param="prompt")
     p = request.params
     max_tokens: int | None = p.max_tokens
-    if request.tools and request.tool_choice != "none":  # call markers may be special tokens: the parser reads them
-        p = dataclasses.replace(p, skip_special_tokens=False)  # (as the native backend and vLLM's parsers set it)
+    if request.calls_tools:
+        p = dataclasses.replace(p, skip_special_tokens=False)
     if max_model_len is not None:
         max_tokens = p.max_tokens if p.max_tokens is not None else max(max_model_len - len(token_ids), 1)
         if len(token_ids) + max_tokens > max_model_len:

@@ -20,7 +20,7 @@ from backends.native.block_hash import block_hashes
 from benchmarks.fleet_routing import ROUTERS_PYTHON
 from benchmarks.peers import VLLM_PYTHON
 from gateway.routing.prefix_index import PrefixIndex
-from tests.servers import Served, free_port, start_replica_with_kv_events
+from tests.servers import Served, free_port, replicas_with_kv_events
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
@@ -60,14 +60,8 @@ def test_the_gateways_index_reads_real_vllms_events(vllm_url, vllm_kv_events):
 
 @pytest.fixture
 def replicas(tmp_path) -> Iterator[list[tuple[Served, int]]]:
-    ports = [free_port(), free_port()]
-    started = [(start_replica_with_kv_events(tmp_path, port), port) for port in ports]
-    try:
+    with replicas_with_kv_events(tmp_path) as started:
         yield started
-    finally:
-        for served, _ in started:
-            served.proc.terminate()
-            served.proc.wait(timeout=120)
 
 
 def _until_healthy(url: str, timeout_s: float = 60.0) -> None:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import Gateway
-from tests.servers import Served, free_port, serve_app, start_replica_with_kv_events
+from tests.servers import Served, replicas_with_kv_events, serve_app, start_replica_with_kv_events
 
 
 def _system(job: str) -> dict:
@@ -28,16 +28,8 @@ def _system(job: str) -> dict:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory) -> Iterator[list[tuple[Served, int]]]:
-    folder = tmp_path_factory.mktemp("replicas")
-    events = [free_port(), free_port()]
-    started = [(start_replica_with_kv_events(folder, port), port) for port in events]
-    try:
+    with replicas_with_kv_events(tmp_path_factory.mktemp("replicas")) as started:
         yield started
-    finally:
-        for served, _ in started:
-            if served.proc.poll() is None:
-                served.proc.terminate()
-                served.proc.wait(timeout=120)
 
 
 def _front(replicas: list[tuple[Served, int]], **resilience) -> Gateway:
