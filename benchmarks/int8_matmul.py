@@ -22,7 +22,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import run_record
 
-from backends.native.linear import INT8_KERNEL_ROWS, Int8Rows, int8_matmul
+from backends.native.linear import Int8Rows
+from backends.native.linear_kernels import INT8_KERNEL_ROWS, int8_matmul
 
 SHAPES = {"mlp_up (576->1536)": (576, 1536), "mlp_down (1536->576)": (1536, 576), "lm_head (576->49152)": (576, 49152)}
 

@@ -26,7 +26,8 @@ from peers import run_record
 from step_profile import timings
 
 from backends.native.layer_ops import CpuLayerOps
-from backends.native.linear import TILE_ROWS, GateUpLinear, Int8Rows, Linear, can_tile, tile_layout
+from backends.native.linear import GateUpLinear, Int8Rows, Linear
+from backends.native.linear_kernels import TILE_ROWS, can_tile
 
 HIDDEN, INTERMEDIATE, QKV, LAYERS = 576, 1536, 960, 30  # SmolLM2-135M
 
@@ -47,10 +48,7 @@ def layers(int8: bool, tiles: bool) -> list[tuple[Linear, Linear, GateUpLinear, 
                 m.scales.data.copy_(q.scales)
             else:
                 m.weight = torch.nn.Parameter(weight, requires_grad=False)
-            if tiles:
-                m.tiles = tile_layout(m.weight)
-            if not int8:
-                m.pack()
+            m.pack("tiles" if tiles else None)  # int8: the int8 kernel, after the tiles where asked
         built.append(mods)
     return built
 

@@ -46,7 +46,7 @@ from peers import run_record
 
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
-from backends.native.linear import layout_serves_all_rows, tile_layout, tile_matmul
+from backends.native.linear_kernels import layout_serves_all_rows, tile_layout, tile_matmul
 from backends.native.model_runner import ModelRunner
 from backends.native.process import prepare_process
 from backends.native.weights import default_model_path, open_checkpoint

@@ -7,7 +7,7 @@ Where nothing can be built (no compiler, as in the container image, or a cache t
 highest level this CPU runs (``python -m backends.native.cpu_kernels --build DIR`` makes them).
 torch's own libgomp is already in the process, so the kernels share torch's OpenMP threads. With
 neither, ``load()`` returns None and the engine keeps its pure-torch paths. Which one runs is logged
-once. The Python faces of the kernels are attention/, layer_ops.py and linear.py.
+once. The Python faces of the kernels are attention/, layer_ops.py and linear_kernels.py.
 """
 
 from __future__ import annotations

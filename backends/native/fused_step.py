@@ -22,7 +22,8 @@ from backends.native.attention.cpu_attention import CpuAttention, CpuMetadata, a
 from backends.native.batch import Batch
 from backends.native.cpu_kernels import DTYPE_FLAGS, kv_format, library
 from backends.native.layer_ops import CpuLayerOps
-from backends.native.linear import STRIP_ROWS, TILE_ROWS, Linear
+from backends.native.linear import Linear
+from backends.native.linear_kernels import STRIP_ROWS, TILE_ROWS, StripKernel, TileKernel
 from backends.native.model import LlamaModel
 
 BF16_TILES, INT8_TILES, FP32_STRIPS = 0, 1, 2  # csrc/step_layers.c's weight_kind
@@ -55,12 +56,18 @@ class StepTokens(ctypes.Structure):
 
 
 def _weight_kind(linears: list[Linear]) -> int | None:
-    """The one kind of small-step copy every linear layer has, or None."""
-    if all(m.tiles is not None for m in linears):
+    """The one kind of small-step copy (or tile layout) every linear layer's kernel reads, or None."""
+    if all(isinstance(m.kernel, TileKernel) for m in linears):
         if all(m.is_int8 for m in linears):
             return INT8_TILES
         return None if any(m.is_int8 for m in linears) else BF16_TILES
-    return FP32_STRIPS if all(m.strips is not None for m in linears) else None
+    return FP32_STRIPS if all(isinstance(m.kernel, StripKernel) for m in linears) else None
+
+
+def _copy(m: Linear) -> torch.Tensor:
+    """The tiles or strips the C step reads for ``m`` (a tile or strip kernel's own layout)."""
+    kernel = m.kernel
+    return kernel.tiles if isinstance(kernel, TileKernel) else kernel.strips
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -90,10 +97,9 @@ class FusedStep:
         self.model = model
         self.max_rows = None if any_rows else STRIP_ROWS if kind == FP32_STRIPS else TILE_ROWS
         cfg, attn, mlp = model.config, model.layers[0].self_attn, model.layers[0].mlp
-        copy = "strips" if kind == FP32_STRIPS else "tiles"
 
         def weights(m: Linear) -> tuple[int, int | None]:
-            return getattr(m, copy).data_ptr(), _ptr(m.scales) if m.is_int8 else None
+            return _copy(m).data_ptr(), _ptr(m.scales) if m.is_int8 else None
 
         table = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):

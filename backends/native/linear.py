@@ -1,170 +1,29 @@
-"""Linear layers: oneDNN-packed float weights, or weight-only int8 with one scale per output channel.
-
-``F.linear`` on CPU hands the weight to MKL, which packs it again on every call. Packing once with
-oneDNN, as vLLM's CPU backend does (``onednn_mm`` on prepacked weights), saves that on every call. The
-packed copy replaces the weight, so memory does not double, except for a
-weight tied to the embedding table, which the embedding lookup still reads.
-
-Decoding a few sequences reads every weight once per step, so its speed is the memory's: int8 weights
-(``quantization: int8``) read a quarter of fp32's bytes. Activations stay in the model's dtype. Up to
-``INT8_KERNEL_ROWS`` rows go through the C kernel csrc/int8_linear.c (torch's ``_weight_int8pack_mm``, which
-gpt-fast's int8 mode uses, has no AVX2 path: benchmarks/int8_matmul.py);
-more rows (a prefill) are compute-bound, and multiply a dequantised copy of the weight made for the call, except
-for bf16 activations on AMX tiles, where the int8 weight is laid out as tiles too and the tile kernel's blocked
-path widens them chunk by chunk. A GGUF Q8_0 tensor becomes these rows without a float copy of the matrix
-(weights.py).
-
-On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``, csrc/tile_linear.c). Steps of
-up to ``TILE_ROWS`` rows stream them in order, near the copy bandwidth, where oneDNN's matmul on its packed
-weight is not; larger steps multiply them in cache-sized blocks, faster than oneDNN's matmul on SmolLM2's
-shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (``tile_add``) in the rounding
-pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_only``,
-``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
-otherwise it is a second copy for small steps. CPUs with AVX512-BF16 but no tiles (AMD Zen 4) read the same
-layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul is slower
-(benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
-fp32 weights get the like on CPUs with AVX-512: steps of up to ``STRIP_ROWS`` rows read a copy laid out as
-strips of 32 output columns (``strip_layout``, csrc/strip_linear.c). A second copy doubles the linear weights'
-memory, so the model keeps it only where it fits easily (``LlamaModel.pack_linear_weights``).
-"""
+"""The model's linear layers: ``nn.Linear`` whose multiplication is one kernel object (linear_kernels.py), chosen
+once when the weights are laid out (``Linear.pack``, ``Linear.use_layout_only``; ``LlamaModel.pack_linear_weights``
+decides which layout each layer gets), and weight-only int8 (``Linear.to_int8``, ``Int8Rows``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from backends.native import cpu_kernels
+from backends.native.linear_kernels import (
+    INT8,
+    PLAIN,
+    LinearKernel,
+    OneDnnGateUpKernel,
+    OneDnnKernel,
+    StripKernel,
+    TileKernel,
+    strip_layout,
+    tile_layout,
+)
 
-# Above this many rows the int8 kernel, which widens each weight once per four rows, loses to dequantising
-# the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
-INT8_KERNEL_ROWS = 32
-# Up to this many rows a bf16 matmul with a tile copy streams it (csrc/tile_linear.c, whose STREAM_ROWS is the
-# same); weights whose tile layout is their only copy (``layout_only``) take its blocked path beyond, the others
-# oneDNN's matmul: up to here streaming the tiles is faster (docs/performance.md, "Measurements behind the
-# code").
-TILE_ROWS = 64
-# Up to this many rows an fp32 matmul with a strip copy runs on csrc/strip_linear.c, faster than oneDNN's
-# (docs/performance.md, "Measurements behind the code").
-STRIP_ROWS = 128
-
-
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this torch build can pack weights of ``dtype`` on ``device`` for oneDNN matmuls."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()  # native bf16 instructions, not emulation
-    return dtype == torch.float32
-
-
-def layout_serves_all_rows(weight: torch.Tensor, activations: torch.dtype) -> bool:
-    """Whether the tile layout of ``weight`` serves steps of every size for ``activations`` of this dtype, faster
-    than oneDNN's matmul, so it can be the weight's only copy (csrc/tile_linear.c's blocked path, for more than
-    ``TILE_ROWS`` rows, takes bf16 activations and bf16 or int8 weights whose outputs are a multiple of 32; int8
-    ones, dequantised for oneDNN's bf16 matmul instead, made prefills slower than bf16's). fp32 strips do not:
-    past ``STRIP_ROWS`` rows they only drew level with oneDNN over a step's weights not in cache (414-424
-    GFLOP/s against 418, rows or strips chunked)."""
-    return (activations == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
-            and tile_steps() == TILE_STEPS_ANY)
-
-
-# What csrc/tile_linear.c multiplies on this CPU (its tile_linear_supported): steps of any size on AMX tiles,
-# steps of up to TILE_ROWS rows on AVX512-BF16 vectors (AMD Zen 4), nothing.
-TILE_STEPS_NONE, TILE_STEPS_SMALL, TILE_STEPS_ANY = 0, 1, 2
-
-
-def tile_steps() -> int:
-    """Which steps the tile layout serves on this CPU: ``TILE_STEPS_ANY``, ``TILE_STEPS_SMALL`` or ``TILE_STEPS_NONE``."""
-    lib = cpu_kernels.load()
-    return TILE_STEPS_NONE if lib is None else lib.tile_linear_supported()
-
-
-def can_tile(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can have a tile copy: bf16 (or int8, for bf16 activations) on a CPU with AMX tiles or
-    AVX512-BF16, its shape a multiple of 16 x 32."""
-    if weight.dtype not in (torch.bfloat16, torch.int8) or weight.device.type != "cpu" or weight.dim() != 2:
-        return False
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and tile_steps() != TILE_STEPS_NONE
-
-
-def tile_layout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] as tile_linear.c reads it: for each 16 output rows, for each 32 columns, one AMX B tile
-    (16 column pairs x 16 outputs x 2, 1 KB); the tiles of 16 outputs lie one after the other."""
-    n, k = weight.shape
-    return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def _weight_args(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int | None]:
-    """The C kernels' weight arguments around ``out``: (tiles, scales or NULL)."""
-    return tiles.data_ptr(), None if scales is None else scales.data_ptr()
-
-
-def _scale_flags(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[bool, bool]:
-    """The C kernels' last two arguments: (int8 tiles, scales stored as bf16)."""
-    return tiles.dtype == torch.int8, scales is not None and scales.dtype == torch.bfloat16
-
-
-def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16, or int8
-    with ``scales``), rounded as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
-    k, half = x.shape[-1], tiles.shape[0] * 16 // 2  # tiles of 16 outputs: the gate's, then the up's
-    x = x.contiguous()
-    out = x.new_empty(*x.shape[:-1], half)
-    if cpu_kernels.library().tile_linear_silu_mul(x.data_ptr(), *_weight_args(tiles, scales), out.data_ptr(),
-                                                  x.numel() // k, half, k, *_scale_flags(tiles, scales)):
-        raise RuntimeError(f"tile_linear_silu_mul refused a [{2 * half}, {k}] weight")
-    return out
-
-
-def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor, scales: torch.Tensor | None = None) -> None:
-    """``residual += x @ weight.T`` in place, for bf16 x [rows, k] of more than ``TILE_ROWS`` rows and a contiguous
-    residual [rows, n], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``), rounded as torch adds a
-    bf16 layer's output to the residual stream (the product rounded first, then the sum)."""
-    k, n = x.shape[-1], tiles.shape[0] * 16
-    x = x.contiguous()
-    if cpu_kernels.library().tile_linear_add(x.data_ptr(), *_weight_args(tiles, scales), residual.data_ptr(),
-                                             x.numel() // k, n, k, *_scale_flags(tiles, scales)):
-        raise RuntimeError(f"tile_linear_add refused a [{n}, {k}] weight at {x.numel() // k} rows")
-
-
-def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``)."""
-    k, n = x.shape[-1], tiles.shape[0] * 16
-    x = x.contiguous()
-    out = x.new_empty(*x.shape[:-1], n)
-    if cpu_kernels.library().tile_linear(x.data_ptr(), *_weight_args(tiles, scales), out.data_ptr(), x.numel() // k,
-                                         n, k, *_scale_flags(tiles, scales)):
-        raise RuntimeError(f"tile_linear refused a [{n}, {k}] weight")
-    return out
-
-
-def can_strip(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can have a strip copy: fp32 on a CPU with AVX-512, its outputs a multiple of 32."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 32:
-        return False
-    lib = cpu_kernels.load()
-    return lib is not None and bool(lib.strip_linear_supported())
-
-
-def strip_layout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, k] as strip_linear.c reads it: for each 32 output rows, their k columns one after the other
-    (32 floats per column), the strips one after the other: [n / 32, k, 32]."""
-    n, k = weight.shape
-    return weight.detach().reshape(n // 32, 32, k).transpose(1, 2).contiguous()
-
-
-def strip_matmul(x: torch.Tensor, strips: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for fp32 x [..., k], from the weight's ``strip_layout``."""
-    k, n = x.shape[-1], strips.shape[0] * 32
-    x = x.contiguous()
-    out = x.new_empty(*x.shape[:-1], n)
-    if cpu_kernels.library().strip_linear(x.data_ptr(), strips.data_ptr(), out.data_ptr(), x.numel() // k, n, k):
-        raise RuntimeError(f"strip_linear refused a [{n}, {k}] weight")
-    return out
-
+# A second copy of the weight for small steps: AMX/AVX512-BF16 tiles (bf16 activations) or AVX-512 strips (fp32).
+SmallStepCopy = Literal["tiles", "strips"]
 
 @dataclass
 class Int8Rows:
@@ -186,19 +45,39 @@ class Int8Rows:
         return self.values.float() * self.scales[:, None]
 
 
+
 class Linear(nn.Linear):
-    """``nn.Linear`` plus ``pack()`` (oneDNN's layout for float weights) and ``to_int8()`` (weight-only int8)."""
+    """``nn.Linear`` whose ``forward`` is its ``kernel``'s matmul: torch's until ``pack()`` (oneDNN's layout for float
+    weights, optionally a small-step copy) or ``use_layout_only()`` (tiles alone) chooses another; ``to_int8()``
+    makes the weight int8."""
 
-    packed: torch.Tensor | None = None
-    tiles: torch.Tensor | None = None  # the weight's tile_layout (set before packing), for bf16 steps
-    layout_only = False  # the tiles serve steps of every size: they are the weight's only copy
-    strips: torch.Tensor | None = None  # the weight's strip_layout (set before packing), for small fp32 steps
+    kernel: LinearKernel = PLAIN
 
-    def pack(self, keep_weight: bool = False) -> None:
-        """Repack the weight for oneDNN (``can_pack`` must hold); drop the original unless ``keep_weight``."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+    def pack(self, small_steps: SmallStepCopy | None = None, keep_weight: bool = False) -> None:
+        """Choose this layer's kernel once its weight is loaded: float weights packed for oneDNN (``can_pack`` must
+        hold), int8 ones kept for the int8 kernel; with ``small_steps``, a copy in that layout serves the small steps
+        (``can_tile`` / ``can_strip`` must hold). The float weight is dropped unless ``keep_weight``."""
+        small = None if small_steps is None else (tile_layout if small_steps == "tiles" else strip_layout)(self.weight)
+        kernel = INT8 if self.is_int8 else self._packed(keep_weight)
+        if small is not None:
+            kernel = TileKernel(small, kernel) if small_steps == "tiles" else StripKernel(small, kernel)
+        self.kernel = kernel
+
+    def _packed(self, keep_weight: bool) -> LinearKernel:
+        """The oneDNN kernel on a packed copy of the float weight, which that copy replaces unless ``keep_weight``."""
+        kernel = OneDnnKernel(torch.ops.mkldnn._reorder_linear_weight(self.weight.detach()))
+        self._drop_weight(keep_weight)
+        return kernel
+
+    def _drop_weight(self, keep_weight: bool) -> None:
         if not keep_weight:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def use_layout_only(self, keep_weight: bool = False) -> None:
+        """Serve every step from the weight's tile layout (``layout_serves_all_rows`` must hold): no packed copy;
+        the weight (float, or int8 beside its ``scales``) is dropped unless ``keep_weight``."""
+        self.kernel = TileKernel(tile_layout(self.weight))
+        self._drop_weight(keep_weight)
 
     def to_int8(self) -> None:
         """Hold the weight as int8 with a scale per output channel (``scales``, in the weight's float dtype);
@@ -208,118 +87,44 @@ class Linear(nn.Linear):
                                    requires_grad=False)
         self.scales = nn.Parameter(torch.empty(out_features, dtype=torch.float32, device=self.weight.device),
                                    requires_grad=False)
+        self.kernel = INT8
 
     @property
     def is_int8(self) -> bool:
         return self.weight.dtype == torch.int8
 
-    def packed_weights(self) -> list[torch.Tensor]:
-        """The oneDNN-packed copies this layer holds (none before ``pack``, or for int8)."""
-        return [] if self.packed is None else [self.packed]
-
-    def use_layout_only(self, keep_weight: bool = False) -> None:
-        """Serve every step from the weight's tile layout (``layout_serves_all_rows`` must hold): no packed copy;
-        the weight (float, or int8 beside its ``scales``) is dropped unless ``keep_weight``."""
-        self.tiles, self.layout_only = tile_layout(self.weight), True
-        if not keep_weight:
-            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def _reads_tiles(self, x: torch.Tensor) -> bool:
-        """Whether this bf16 step multiplies the tile copy: a small step, or any step where the tiles are the only
-        copy."""
-        return (self.tiles is not None and x.dtype == torch.bfloat16
-                and (self.layout_only or x.numel() <= TILE_ROWS * x.shape[-1]))
-
-    def _blocked(self, x: torch.Tensor) -> bool:
-        """Whether the tile kernel's blocked path, whose rounding pass can also do SwiGLU or the residual add,
-        multiplies this step: a tile-only layer, bf16 activations, more than ``TILE_ROWS`` rows."""
-        return self.layout_only and x.dtype == torch.bfloat16 and x.numel() > TILE_ROWS * x.shape[-1]
-
     @property
-    def _tile_scales(self) -> torch.Tensor | None:
-        """The scales that go with the tiles: int8's per-channel scales, None for bf16."""
-        return self.scales if self.is_int8 else None
+    def layout_only(self) -> bool:
+        """Whether the tile layout is the weight's only copy and serves every step."""
+        return isinstance(self.kernel, TileKernel) and self.kernel.larger is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._reads_tiles(x):
-            y = tile_matmul(x, self.tiles, self._tile_scales)
-            return y if self.bias is None else y + self.bias
-        if self.strips is not None and x.dtype == torch.float32 and x.numel() <= STRIP_ROWS * x.shape[-1]:
-            y = strip_matmul(x, self.strips)
-            return y if self.bias is None else y + self.bias
-        if self.packed is not None:  # the default CPU path next: no parameter lookups before it
-            return _linear(x, self.packed, self.bias)
-        if self.is_int8:
-            y = int8_matmul(x.reshape(-1, x.shape[-1]), self.weight, self.scales).reshape(*x.shape[:-1], -1)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
-
+        return self.kernel.matmul(self, x)
 
     def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's output and the residual stream it joins, as the next ``RMSNorm`` takes them: ``(x @ W.T,
-        residual)``, for the norm to add; or, where the tile kernel serves the step (tile layout only, bf16
-        activations, more than ``TILE_ROWS`` rows, no bias), the sum made in its rounding pass in place in ``residual``, as torch
-        rounds it: ``(residual, None)``: the norms that follow no longer add."""
-        if self._blocked(x) and self.bias is None and residual.is_contiguous():
-            tile_add(x.reshape(-1, x.shape[-1]), self.tiles, residual.view(-1, residual.shape[-1]), self._tile_scales)
+        residual)``, for the norm to add; or, where the kernel adds in its rounding pass (tiles alone, bf16
+        activations, more than ``TILE_ROWS`` rows, no bias), the sum made in place in ``residual``, as torch rounds
+        it: ``(residual, None)``: the norms that follow no longer add."""
+        if self.kernel.add_into(self, x, residual):
             return residual, None
         return self(x), residual
 
 
 class GateUpLinear(Linear):
     """SwiGLU's gate and up projections side by side (``weight`` [2I, k], the gate's rows first), whose one use is
-    ``silu_and_mul``: silu(gate) * up [..., I].
+    ``silu_and_mul``: silu(gate) * up [..., I], from the kernel's rounding pass or epilogue where it has one
+    (tiles alone, past ``TILE_ROWS`` rows; oneDNN in bf16, the halves packed apart), else from ``ops``."""
 
-    On AMX tiles (``layout_only``), steps of more than ``TILE_ROWS`` rows get the product from the tile
-    kernel's rounding pass (``tile_silu_mul``), rounded as HF rounds, faster than oneDNN's epilogues below. Packed
-    for oneDNN in bf16 (no tiles), the two halves are packed apart and the product comes out of the matmuls'
-    epilogues (swish on the gate's sums, then the up's sums times that), with no [T, 2I] intermediate and no pass of
-    its own. HF
-    rounds the gate to bf16 before the silu; the epilogue takes the fp32 sums (within one bf16 rounding)."""
-
-    halves: tuple[torch.Tensor, torch.Tensor] | None = None  # the gate's and the up's oneDNN-packed weights
-
-    def pack(self, keep_weight: bool = False) -> None:
+    def _packed(self, keep_weight: bool) -> LinearKernel:
         if self.weight.dtype != torch.bfloat16 or keep_weight:  # one matmul on the whole weight, then the op
-            return super().pack(keep_weight)
+            return super()._packed(keep_weight)
         gate, up = self.weight.detach().chunk(2)
-        self.halves = (torch.ops.mkldnn._reorder_linear_weight(gate.contiguous()),
-                       torch.ops.mkldnn._reorder_linear_weight(up.contiguous()))
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
-
-    def packed_weights(self) -> list[torch.Tensor]:
-        return [*super().packed_weights(), *(self.halves or ())]
+        kernel = OneDnnGateUpKernel(torch.ops.mkldnn._reorder_linear_weight(gate.contiguous()),
+                                    torch.ops.mkldnn._reorder_linear_weight(up.contiguous()))
+        self._drop_weight(keep_weight)
+        return kernel
 
     def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
-        if self._blocked(x):
-            return tile_silu_mul(x.reshape(-1, x.shape[-1]), self.tiles, self._tile_scales).reshape(*x.shape[:-1], -1)
-        if self.halves is not None and not self._reads_tiles(x):
-            gate, up = self.halves
-            return _linear(x, gate, activation="swish", times=up)
-        return ops.silu_and_mul(self(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.halves is not None and not self._reads_tiles(x):  # both halves, for callers other than the MLP
-            return torch.cat([_linear(x, half) for half in self.halves], dim=-1)
-        return super().forward(x)
-
-
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
-            times: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN's matmul on a packed weight (plus ``bias``), ``activation`` applied to its sums; with ``times`` (a
-    second packed weight), that result multiplies x @ times.T in the second matmul's epilogue."""
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")
-    return y if times is None else torch.ops.mkldnn._linear_pointwise.binary(x, y, times, None, "mul")
-
-
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight * scales[:, None]).T`` for x [rows, k] (fp32 or bf16), int8 ``weight`` [n, k]."""
-    lib = cpu_kernels.load() if x.device.type == "cpu" and x.dtype in cpu_kernels.DTYPE_FLAGS else None
-    if lib is None or x.shape[0] > INT8_KERNEL_ROWS:
-        return F.linear(x, weight.to(x.dtype)) * scales
-    x = x.contiguous()
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    lib.int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0],
-                    weight.shape[1], cpu_kernels.DTYPE_FLAGS[x.dtype])
-    return out
+        return self.kernel.silu_and_mul(self, x, ops)

@@ -26,18 +26,12 @@ from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.host_memory import available_memory
 from backends.native.layer_ops import TorchLayerOps
-from backends.native.linear import (
-    STRIP_ROWS,
-    TILE_ROWS,
-    GateUpLinear,
-    Int8Rows,
-    Linear,
+from backends.native.linear import GateUpLinear, Int8Rows, Linear, SmallStepCopy
+from backends.native.linear_kernels import (
     can_pack,
     can_strip,
     can_tile,
     layout_serves_all_rows,
-    strip_layout,
-    tile_layout,
 )
 from backends.native.parallel import PipelineStage, TensorParallel
 from backends.native.rotary import RotaryEmbedding
@@ -203,59 +197,68 @@ class LlamaModel(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds (oneDNN-packed copies, tile layouts and small-step copies included)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        packed = sum(p.numel() * p.element_size() for m in linears for p in m.packed_weights())
-        layouts = sum(m.tiles.numel() * m.tiles.element_size() for m in linears if m.layout_only)
-        return total + packed + layouts + self.small_step_copy_bytes()
+        return total + sum(t.numel() * t.element_size() for m in self._linears() for t in m.kernel.layouts())
 
     def small_step_copy_bytes(self) -> int:
         """Bytes of the linear weights' second copies for small steps, bf16/int8 tiles or fp32 strips (0 if none): not
         the layouts that are a weight's only copy."""
-        return sum(copy.numel() * copy.element_size() for m in self.modules()
-                   if isinstance(m, Linear) and not m.layout_only
-                   for copy in (m.tiles, m.strips) if copy is not None)
+        return sum(copy.numel() * copy.element_size() for m in self._linears()
+                   if (copy := m.kernel.small_step_copy()) is not None)
+
+    def linear_kernels(self) -> dict[str, str]:
+        """Each kind of linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``, ``lm_head``) and the
+        kernel it multiplies with, as ``pack_linear_weights`` chose it (for ``GET /info`` and the start-up log)."""
+        kinds: dict[str, set[str]] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                kinds.setdefault(name.rpartition(".")[2], set()).add(module.kernel.describe())
+        return {kind: " | ".join(sorted(kernels)) for kind, kernels in kinds.items()}
+
+    def _linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
 
     # ----------------------------------------------------------------------------------- weights
     def pack_linear_weights(self) -> bool:
-        """Lay out every linear weight for the fastest matmul this build has (CPU, fp32/bf16 models): after
-        loading and casting, since the new layouts replace the weights. On CPUs with AMX tiles, the bf16 and int8
-        weights of a bf16 model whose tile layout serves steps of every size get only that (linear.py). The other
-        float weights are packed for oneDNN; the other weights, float or int8, get a second copy for small steps
-        where a kernel for it runs here: tiles for bf16 activations (on AMX, or AVX512-BF16 vectors), AVX-512 strips
-        for fp32, kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the memory available (the container's,
-        where it has a limit).
+        """Choose every linear layer's kernel once, laying its weight out for the fastest matmul this build has (CPU,
+        fp32/bf16 models): after loading and casting, since the new layouts replace the weights. On CPUs with AMX
+        tiles, the bf16 and int8 weights of a bf16 model whose tile layout serves steps of every size get only that
+        (linear_kernels.py). The other float weights are packed for oneDNN; the other weights, float or int8, get a
+        second copy for small steps where a kernel for it runs here: tiles for bf16 activations (on AMX, or
+        AVX512-BF16 vectors), AVX-512 strips for fp32, kept when they take at most ``SMALL_STEP_COPY_SHARE`` of the
+        memory available (the container's, where it has a limit). The choice is logged once.
         Returns whether it laid them out (False where this build has no CPU layout for their dtype)."""
         weight = next(self.parameters())  # every float weight has the model's dtype
-        if not can_pack(weight.dtype, weight.device):
-            return False
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        laid_out = can_pack(weight.dtype, weight.device)
+        copies = self._lay_out_linears(weight.dtype) if laid_out else "none"
+        log.info("linear kernels: %s (small-step copies: %s)",
+                 "; ".join(f"{kind}: {kernel}" for kind, kernel in self.linear_kernels().items()), copies)
+        return laid_out
+
+    def _lay_out_linears(self, dtype: torch.dtype) -> str:
+        """``pack_linear_weights`` for a model of ``dtype`` on a CPU that packs it; says what became of the small-step
+        copies."""
+        linears = self._linears()
         tied = self.lm_head if self.head_is_table else None
         for module in linears:
-            if layout_serves_all_rows(module.weight, weight.dtype):  # the activations are the embeddings' dtype
+            if layout_serves_all_rows(module.weight, dtype):  # the activations are the embeddings' dtype
                 # a tied head keeps the table the lookup reads; a tied int8 head's weight is its own copy
                 module.use_layout_only(keep_weight=module is tied and not module.is_int8)
-        if any(m.layout_only for m in linears):
-            log.info("AMX tile layouts serve every step of %d of %d linear layers (no packed copy)",
-                     sum(m.layout_only for m in linears), len(linears))
         linears = [m for m in linears if not m.layout_only]
-        if weight.dtype == torch.bfloat16:
-            kind, rows, attr, can_copy, layout = "Tile", TILE_ROWS, "tiles", can_tile, tile_layout
-        else:
-            kind, rows, attr, can_copy, layout = "fp32 strip", STRIP_ROWS, "strips", can_strip, strip_layout
+        small_steps: SmallStepCopy = "tiles" if dtype == torch.bfloat16 else "strips"
+        can_copy = can_tile if small_steps == "tiles" else can_strip
         copied = [m for m in linears if can_copy(m.weight)]
+        copies = "none"
         if copied:
             extra = sum(m.weight.numel() * m.weight.element_size() for m in copied)
             available = available_memory()
             fits = extra <= SMALL_STEP_COPY_SHARE * available
-            log.info("%s copies of the linear weights for steps of up to %d rows: %s (%.0f MB, %.0f MB available)",
-                     kind, rows, "on" if fits else "off, too large", extra / 1e6, available / 1e6)
-            for module in copied if fits else []:
-                setattr(module, attr, layout(module.weight))  # before packing drops the weight
+            copies = (f"{small_steps} {'kept' if fits else 'left out, too large'} ({extra / 1e6:.0f} MB, "
+                      f"{available / 1e6:.0f} MB available)")
+            copied = copied if fits else []
         for module in linears:
-            if not module.is_int8:
-                module.pack(keep_weight=module is tied)
-        return True
+            module.pack(small_steps if module in copied else None, keep_weight=module is tied)
+        return copies
 
     def to_int8(self) -> None:
         """Weight-only int8 for every linear layer, before ``load_weights`` fills them; a LM head tied to the

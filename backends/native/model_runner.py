@@ -101,9 +101,9 @@ class ModelRunner:
         # oneDNN compiles a kernel per row count of a packed matmul: steps are padded to a few (row_buckets.py).
         # The tile kernels that serve bf16 weights on AMX take any row count: a model without packed weights
         # pads nothing.
-        self.pad_rows = any(m.packed_weights() for m in self.model.modules() if isinstance(m, Linear))
+        self.pad_rows = any(m.kernel.compiles_per_shape for m in self.model.modules() if isinstance(m, Linear))
         if self.pad_rows and config.warmup:
-            warm_up_linears(self.model, config.max_num_batched_tokens, config.max_num_seqs)
+            warm_up_linears(self.model, self.dtype, config.max_num_batched_tokens, config.max_num_seqs)
         self.num_layers = len(self.model.layers)  # this rank's stage's
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.graphs = None  # a graph replays the whole model: one pipeline stage only

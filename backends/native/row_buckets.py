@@ -40,17 +40,17 @@ def buckets(max_rows: int) -> list[int]:
 
 
 @torch.inference_mode()
-def warm_up_linears(model: torch.nn.Module, max_rows: int, max_head_rows: int) -> None:
-    """Run every distinct packed linear layer of ``model`` once at every bucket (up to ``max_head_rows``
-    for the LM head, ``max_rows`` for the others), so that none is compiled while serving."""
+def warm_up_linears(model: torch.nn.Module, dtype: torch.dtype, max_rows: int, max_head_rows: int) -> None:
+    """Run every distinct linear layer of ``model`` whose kernel compiles per shape (oneDNN's) once at every bucket
+    (up to ``max_head_rows`` for the LM head, ``max_rows`` for the others), on ``dtype`` activations, so that none
+    is compiled while serving."""
     started, shapes = time.perf_counter(), {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
-        if isinstance(module, Linear) and module.packed_weights():
+        if isinstance(module, Linear) and module.kernel.compiles_per_shape:
             shapes.setdefault((module is head, type(module), module.in_features, module.out_features), module)
     calls = 0
     for (is_head, kind, in_features, _), module in shapes.items():
-        dtype = module.packed_weights()[0].dtype
         for rows in buckets(max_head_rows if is_head else max_rows):
             x = torch.zeros(rows, in_features, dtype=dtype)
             module.silu_and_mul(x, TorchLayerOps) if kind is GateUpLinear else module(x)  # as the model calls it

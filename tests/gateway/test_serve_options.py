@@ -27,6 +27,10 @@ def test_dtype_device_quantization_kv_cache_and_name_options_reach_the_running_e
         # the second copy as tiles that CPUs with AMX or AVX512-BF16 keep for small steps (linear.py)
         held_once = engine["weight_bytes"] - engine["small_step_copy_bytes"]
         assert engine["quantization"] == "int8" and held_once < 1.5 * 135e6
+        # each kind of layer multiplies int8 weights: on their tiles (AMX, AVX512-BF16) or the int8 kernel
+        kernels = engine["linear_kernels"]
+        assert set(kernels) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+        assert all(kernel.startswith("tile") or kernel == "int8" for kernel in kernels.values()), kernels
         assert engine["tensor_parallel_size"] == 1 and engine["warmup"] and engine["num_threads"] >= 1
         reply = httpx.post(f"{url}/v1/completions", json={"model": "smol-bf16", "prompt": "Hi", "max_tokens": 2},
                            timeout=60)

@@ -7,7 +7,7 @@
  * (5-7x slower than an fp32 oneDNN matmul at one row on an AVX2 EPYC: benchmarks/int8_matmul.py), so this one
  * is written to vectorise on any x86-64 level: each int8 weight is widened once for up to ROWS rows of x.
  * Output columns are spread over the process's OpenMP threads: each thread streams its own weight rows.
- * Many rows (a prefill) are not its job: linear.py dequantises and calls a blocked GEMM there.
+ * Many rows (a prefill) are not its job: linear_kernels.py dequantises and calls a blocked GEMM there.
  * Built and loaded by cpu_kernels.py.
  */
 

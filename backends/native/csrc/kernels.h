@@ -7,7 +7,7 @@
 
 /* Up to this many rows tile_linear streams the weight (4 A tiles per B tile); more take its blocked path, where
  * the rounding pass can add into the residual stream or do SwiGLU (step_layers.c). TILE_ROWS in
- * linear.py, up to which weights that are not a tile layout's only copy read the tiles at all, is the same. */
+ * linear_kernels.py, up to which weights that are not a tile layout's only copy read the tiles at all, is the same. */
 #define STREAM_ROWS 64
 
 int add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t hidden, float eps,

@@ -1,8 +1,8 @@
-/* fp32 linear layers for steps of up to 128 rows (STRIP_ROWS in linear.py) on AVX-512: out[m, n] = sum_k x[m, k] w[n, k].
+/* fp32 linear layers for steps of up to 128 rows (STRIP_ROWS in linear_kernels.py) on AVX-512: out[m, n] = sum_k x[m, k] w[n, k].
  *
  * A decode step streams every weight once; oneDNN's fp32 matmul on its packed weights does not overlap that
  * stream with its arithmetic, and reads at about half the copy bandwidth (docs/performance.md, "Measurements behind the code"). This kernel reads the weight as
- * strips of 32 output columns laid out k-major (strip_layout in linear.py: [n / 32][k][32], 128 bytes per k),
+ * strips of 32 output columns laid out k-major (strip_layout in linear_kernels.py: [n / 32][k][32], 128 bytes per k),
  * so each thread streams one contiguous run and prefetches it 4 KB ahead. Per strip and 128 columns of k
  * (16 KB, kept in L1) up to 12 rows at a time accumulate in 24 vector registers: each k loads the strip's
  * two vectors once and broadcasts one x value per row. Partial sums of a strip's rows live in `out` between

@@ -3,7 +3,7 @@
  * Few rows (a decode step, up to STREAM_ROWS): a step streams every weight once and does little with it, so its
  * speed is the memory's, and oneDNN's matmul on its own packed weights reads them well below the copy bandwidth:
  * this kernel reads the weight as AMX B tiles that lie contiguously in memory, one after the other as the tile
- * products want them (tile_layout in linear.py), so each thread streams one run of memory that the hardware
+ * products want them (tile_layout in linear_kernels.py), so each thread streams one run of memory that the hardware
  * prefetchers follow. The rows of x are the A tiles,
  * read in place (16 rows, or the remainder, by 32 columns). Per 16 output columns, up to 4 A tiles (64 rows)
  * share one B tile load. Output columns are spread over the process's OpenMP threads. Products are fp32 (the

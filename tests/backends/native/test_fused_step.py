@@ -15,7 +15,7 @@ import torch
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from backends.native.linear import STRIP_ROWS, TILE_ROWS, TILE_STEPS_ANY, tile_steps
+from backends.native.linear_kernels import STRIP_ROWS, TILE_ROWS, TILE_STEPS_ANY, tile_steps
 from backends.native.model_runner import ModelRunner
 from backends.native.weights import open_checkpoint
 

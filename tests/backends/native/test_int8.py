@@ -14,12 +14,11 @@ from backends.base import SamplingParams
 from backends.native import cpu_kernels
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.engine import LLMEngine
-from backends.native.linear import (
+from backends.native.linear import Int8Rows, Linear
+from backends.native.linear_kernels import (
     INT8_KERNEL_ROWS,
     TILE_ROWS,
     TILE_STEPS_ANY,
-    Int8Rows,
-    Linear,
     can_tile,
     int8_matmul,
     tile_layout,
@@ -182,7 +181,7 @@ def test_smollm2_in_int8_on_the_tile_kernel_picks_bf16s_greedy_token_at_least_95
                        tokenizer=smollm2_tokenizer)
     try:
         linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
-        assert all(m.layout_only == every_step and m.tiles.dtype == torch.int8 for m in linears)
+        assert all(m.layout_only == every_step and m.kernel.tiles.dtype == torch.int8 for m in linears)
         outs = engine.generate([p + c for p, c in zip(prompts, continuations)],
                                SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
         ranks = [lp.rank for p, o in zip(prompts, outs) for lp in o.prompt_logprobs[len(p):]]

@@ -4,6 +4,7 @@ AMX tiles, steps of any size), and on CPUs with AVX-512 fp32 layers with a strip
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,19 @@ from backends.native import host_memory
 from backends.native import model as model_module
 from backends.native.config import ModelConfig
 from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
-from backends.native.linear import (
+from backends.native.linear import GateUpLinear, Int8Rows, Linear
+from backends.native.linear_kernels import (
+    INT8,
+    PLAIN,
     STRIP_ROWS,
     TILE_ROWS,
     TILE_STEPS_ANY,
     TILE_STEPS_NONE,
     TILE_STEPS_SMALL,
-    GateUpLinear,
-    Int8Rows,
-    Linear,
+    OneDnnGateUpKernel,
+    OneDnnKernel,
+    StripKernel,
+    TileKernel,
     can_pack,
     can_strip,
     can_tile,
@@ -65,6 +70,41 @@ def test_packing_drops_the_original_weight_unless_asked_to_keep_it():
     assert kept.weight is original  # a weight tied to the embedding table stays readable
 
 
+def test_a_layer_multiplies_with_the_one_kernel_chosen_when_its_weight_was_laid_out():
+    """torch's matmul until the layer is laid out, the int8 kernel from ``to_int8``, oneDNN's from ``pack``; forward
+    asks the kernel and nothing else."""
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True)
+    x = torch.randn(3, 64)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert layer.kernel is PLAIN and layer.kernel.describe() == "plain"
+    layer.pack()
+    assert type(layer.kernel) is OneDnnKernel and layer.kernel.describe() == "onednn"
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    int8 = Linear(64, 96, bias=False)
+    int8.to_int8()
+    assert int8.kernel is INT8
+    int8.pack()  # int8 weights are not packed for oneDNN: the int8 kernel stays
+    assert int8.kernel is INT8 and int8.kernel.describe() == "int8" and not int8.kernel.compiles_per_shape
+
+
+def test_a_model_names_each_kind_of_layers_kernel_once_in_its_log_and_on_request(caplog):
+    """``linear_kernels()`` (GET /info's ``linear_kernels``) gives the kernel of each kind of layer as packing chose
+    it, and the start-up log says the same, once."""
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    model = LlamaModel(cfg, max_positions=64)
+    model.load_weights(dummy_tensors(cfg, 0, torch.float32, torch.device("cpu")))
+    assert set(model.linear_kernels().values()) == {"plain"}
+    expected = f"strip (up to {STRIP_ROWS} rows), then onednn" if can_strip(model.lm_head.weight) else "onednn"
+    with caplog.at_level(logging.INFO, logger=model_module.__name__):
+        assert model.pack_linear_weights()
+    assert model.linear_kernels() == dict.fromkeys(("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"),
+                                                   expected)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear kernels")]
+    assert f"qkv_proj: {expected}; o_proj: {expected}; " in line
+
+
 def test_only_cpu_fp32_and_native_bf16_are_packed():
     assert can_pack(torch.float32, torch.device("cpu"))
     assert not can_pack(torch.float16, torch.device("cpu"))
@@ -83,8 +123,8 @@ def test_packed_bf16_gate_and_up_give_silu_and_mul_from_the_matmul_epilogues(row
     both = F.linear(x, layer.weight)
     expected = TorchLayerOps.silu_and_mul(both)
     layer.pack()
-    assert layer.halves is not None and layer.packed is None and layer.weight.numel() == 0
-    assert [p.dtype for p in layer.packed_weights()] == [torch.bfloat16, torch.bfloat16]
+    assert isinstance(layer.kernel, OneDnnGateUpKernel) and layer.weight.numel() == 0
+    assert [p.dtype for p in layer.kernel.layouts()] == [torch.bfloat16, torch.bfloat16]
     torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps).float(), expected.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(layer(x).float(), both.float(), atol=1e-2, rtol=1e-2)
 
@@ -94,7 +134,7 @@ def test_fp32_gate_and_up_pack_as_one_matmul():
     x = torch.randn(5, 64)
     expected = TorchLayerOps.silu_and_mul(F.linear(x, layer.weight))
     layer.pack()
-    assert layer.halves is None and layer.packed_weights() == [layer.packed]
+    assert type(layer.kernel) is OneDnnKernel and len(layer.kernel.layouts()) == 1
     torch.testing.assert_close(layer.silu_and_mul(x, CpuLayerOps), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -119,8 +159,7 @@ def test_tile_copy_gives_the_fp32_product_rounded_to_bf16(rows, bias, out_featur
     layer = _tile_layer(out_features, in_features, bias)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     expected = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    layer.tiles = tile_layout(layer.weight)
-    layer.pack()
+    layer.pack("tiles")
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
@@ -203,7 +242,7 @@ def test_a_layer_served_by_its_tiles_alone_answers_every_step_from_them():
         pytest.skip("no AMX tiles on this CPU (or no C kernels)")
     weight = layer.weight.detach().clone()
     layer.use_layout_only()
-    assert layer.layout_only and layer.weight.numel() == 0 and not layer.packed_weights()
+    assert layer.layout_only and layer.weight.numel() == 0 and layer.kernel.layouts() == [layer.kernel.tiles]
     for rows in (3, TILE_ROWS, 200):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         both = F.linear(x.float(), weight.float())
@@ -226,9 +265,8 @@ def test_tile_layout_puts_each_b_tile_in_one_kilobyte():
 
 def test_small_steps_read_the_tile_copy_and_larger_ones_the_onednn_copy():
     layer = _tile_layer(64, 64)
-    layer.tiles = tile_layout(layer.weight)
-    layer.pack()
-    layer.tiles.zero_()  # the copies now disagree: which one answered shows in the result
+    layer.pack("tiles")
+    layer.kernel.tiles.zero_()  # the copies now disagree: which one answered shows in the result
     assert not layer(torch.ones(TILE_ROWS, 64, dtype=torch.bfloat16)).any()
     assert layer(torch.ones(TILE_ROWS + 1, 64, dtype=torch.bfloat16)).all()
 
@@ -277,8 +315,7 @@ def test_strip_copy_gives_the_fp32_product(rows, bias, out_features, in_features
     layer = _strip_layer(out_features, in_features, bias)
     x = torch.randn(rows, in_features)
     expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
-    layer.strips = strip_layout(layer.weight)
-    layer.pack()
+    layer.pack("strips")
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
@@ -294,9 +331,8 @@ def test_strip_layout_lays_each_strip_of_32_outputs_column_by_column():
 
 def test_small_fp32_steps_read_the_strip_copy_and_larger_ones_the_onednn_copy():
     layer = _strip_layer(64, 64)
-    layer.strips = strip_layout(layer.weight)
-    layer.pack()
-    layer.strips.zero_()  # the copies now disagree: which one answered shows in the result
+    layer.pack("strips")
+    layer.kernel.strips.zero_()  # the copies now disagree: which one answered shows in the result
     assert not layer(torch.ones(STRIP_ROWS, 64)).any()
     assert layer(torch.ones(STRIP_ROWS + 1, 64)).all()
 
@@ -332,15 +368,15 @@ def test_a_bf16_model_lays_out_its_weights_as_tiles_and_keeps_copies_where_they_
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model.pack_linear_weights()
     layers = [layer.mlp.gate_up_proj for layer in model.layers] + [layer.mlp.down_proj for layer in model.layers]
-    assert all(m.layout_only and not m.packed_weights() and m.weight.numel() == 0 for m in layers)
+    assert all(m.layout_only and len(m.kernel.layouts()) == 1 and m.weight.numel() == 0 for m in layers)
     assert model.lm_head.layout_only and model.lm_head.weight is model.embed_tokens.weight  # tied: kept
     qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
-    assert not qkv.layout_only and qkv.tiles is not None and qkv.packed is not None
-    assert o.tiles is None and o.packed is not None
-    copies = sum(layer.self_attn.qkv_proj.tiles.numel() * 2 for layer in model.layers)
+    assert isinstance(qkv.kernel, TileKernel) and isinstance(qkv.kernel.larger, OneDnnKernel)  # tiles, then oneDNN
+    assert type(o.kernel) is OneDnnKernel
+    copies = sum(layer.self_attn.qkv_proj.kernel.tiles.numel() * 2 for layer in model.layers)
     assert model.small_step_copy_bytes() == copies
     # each dropped float weight became a layout of its size; the tied head's tiles sit beside the embedding table
-    assert model.weight_bytes() == params + copies + model.lm_head.tiles.numel() * 2
+    assert model.weight_bytes() == params + copies + model.lm_head.kernel.tiles.numel() * 2
     torch.testing.assert_close(mlp.down_proj(x).float(), expected, atol=2e-2, rtol=1e-2)
 
 
@@ -360,11 +396,12 @@ def test_an_int8_bf16_model_keeps_only_the_tile_layout_of_int8_weights_whose_out
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model.pack_linear_weights()
     layers = [m for layer in model.layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)] + [model.lm_head]
-    assert all(m.layout_only and m.is_int8 and m.weight.numel() == 0 and m.tiles.dtype == torch.int8 for m in layers)
+    assert all(m.layout_only and m.is_int8 and m.weight.numel() == 0 and m.kernel.tiles.dtype == torch.int8
+               for m in layers)
     qkv, o = model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj
-    assert not qkv.layout_only and qkv.tiles is not None and qkv.weight.numel() > 0
-    assert o.tiles is None and o.weight.numel() > 0 and not o.packed_weights()
-    copies = sum(layer.self_attn.qkv_proj.tiles.numel() for layer in model.layers)
+    assert isinstance(qkv.kernel, TileKernel) and qkv.kernel.larger is INT8 and qkv.weight.numel() > 0
+    assert o.kernel is INT8 and o.weight.numel() > 0
+    copies = sum(layer.self_attn.qkv_proj.kernel.tiles.numel() for layer in model.layers)
     assert model.small_step_copy_bytes() == copies
     assert model.weight_bytes() == params + copies  # each dropped int8 weight became a layout of its size
     torch.testing.assert_close(mlp.gate_up_proj(x).float(), both, atol=2e-2 * both.abs().max().item(), rtol=2e-2)
@@ -385,10 +422,10 @@ def test_a_bf16_model_on_vectors_keeps_oneDNN_packings_and_tile_copies_for_small
     expected = F.linear(x.float(), down.weight.float())
     assert model.pack_linear_weights()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert not any(m.layout_only for m in linears) and all(m.packed_weights() for m in linears)
+    assert not any(m.layout_only for m in linears) and all(m.kernel.compiles_per_shape for m in linears)
     o_projs = {layer.self_attn.o_proj for layer in model.layers}
-    assert all((m.tiles is None) == (m in o_projs) for m in linears)
-    assert model.small_step_copy_bytes() == sum(m.tiles.numel() * 2 for m in linears if m not in o_projs)
+    assert all(isinstance(m.kernel, TileKernel) != (m in o_projs) for m in linears)
+    assert model.small_step_copy_bytes() == sum(m.kernel.tiles.numel() * 2 for m in linears if m not in o_projs)
     for rows in (1, TILE_ROWS, TILE_ROWS + 1):  # tile copy, tile copy, packed weight
         torch.testing.assert_close(down(x[:rows]).float(), expected[:rows], atol=2e-2, rtol=1e-2)
 
@@ -404,8 +441,8 @@ def test_an_fp32_model_keeps_strip_copies_and_counts_them():
     expected = model.layers[0].mlp.gate_up_proj(x)
     assert model.pack_linear_weights()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert all(m.strips is not None and m.tiles is None for m in linears)
-    assert model.small_step_copy_bytes() == sum(m.strips.numel() * 4 for m in linears)
+    assert all(isinstance(m.kernel, StripKernel) for m in linears)
+    assert model.small_step_copy_bytes() == sum(m.kernel.strips.numel() * 4 for m in linears)
     torch.testing.assert_close(model.layers[0].mlp.gate_up_proj(x), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -423,4 +460,4 @@ def test_a_model_goes_without_tile_copies_that_would_not_fit(monkeypatch):
     model = _packed_bf16_model()
     assert model.pack_linear_weights()
     assert model.small_step_copy_bytes() == 0
-    assert all(m.packed_weights() or m.layout_only for m in model.modules() if isinstance(m, Linear))
+    assert all(isinstance(m.kernel, OneDnnKernel | OneDnnGateUpKernel) or m.layout_only for m in model.modules() if isinstance(m, Linear))
