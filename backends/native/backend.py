@@ -64,16 +64,17 @@ class NativeBackend(Backend):
         if self._async is None:
             raise UnavailableError(f"backend {self.name} is not started")
         refuse_extra_fields(request, self.name)
-        params, calls_tools = request.params, request.calls_tools
-        if calls_tools:
+        params, fmt = request.params, None
+        if request.calls_tools:
             check_tool_request(self.config.tool_parser, request.tools, request.tool_choice, params.structured)
             fmt = call_format(self.config.tool_parser, request.tool_choice)
+            assert fmt is not None and request.tools  # check_tool_request refused tool calls in no format
             grammar = tool_call_grammar(fmt, request.tools, request.tool_choice, request.parallel_tool_calls)
             # Tool-call markers may be special tokens: the parser must see them (vLLM's hermes parser too).
             params = dataclasses.replace(params, structured=grammar or params.structured, skip_special_tokens=False)
         prompt_ids = self._prompt_ids(request)
         chunks = self._async.generate(request.request_id, prompt_ids, params)
-        if calls_tools:
+        if fmt is not None:  # the answer may call tools
             chunks = parse_tool_calls(chunks, fmt, request.tool_choice)
         if request.echo:
             text = request.prompt if isinstance(request.prompt, str) else self.engine.tokenizer.decode(prompt_ids)
@@ -91,7 +92,8 @@ class NativeBackend(Backend):
                 logprobs = chunk.logprobs
                 if logprobs is not None:
                     first = token_logprob(self.engine.tokenizer, first_token, None)
-                    logprobs = [first, *(chunk.prompt_logprobs or [None])[1:], *logprobs]
+                    prompt = [lp for lp in (chunk.prompt_logprobs or [])[1:] if lp is not None]  # all but the first
+                    logprobs = [first, *prompt, *logprobs]
                 chunk = dataclasses.replace(chunk, text=prompt_text + chunk.text, logprobs=logprobs)
             yield chunk
 

@@ -38,7 +38,8 @@ class Batch:
 
     def logits_indices(self) -> list[int]:
         """The flat token indices whose hidden states feed the LM head, in the order of ``logits_rows``."""
-        out, start = [], 0
+        out: list[int] = []
+        start = 0
         for n, rows in zip(self.query_lens, self.logits_rows()):
             out.extend(range(start + n - len(rows), start + n))
             start += n

@@ -18,6 +18,7 @@ the one step that would write a shared partly filled block first gives the write
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -81,7 +82,7 @@ class BlockManager:
             parent = h
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix_hits: Sequence_[int] = ()) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after its computed ones and ``prefix_hits``.
 
         All or nothing: returns False, changing nothing, when the free blocks do not suffice. On success

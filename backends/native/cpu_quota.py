@@ -41,9 +41,9 @@ def cgroup_cpus(root: Path | None = None) -> int | None:
         quota, _, period = v2.partition(" ")
         return _quota(quota, period or "100000")
     for v1 in (root / "cpu", root / "cpu,cpuacct"):
-        quota, period = _read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")
-        if quota is not None and period is not None:
-            return _quota(quota, period)
+        v1_quota, v1_period = _read(v1 / "cpu.cfs_quota_us"), _read(v1 / "cpu.cfs_period_us")
+        if v1_quota is not None and v1_period is not None:
+            return _quota(v1_quota, v1_period)
     return None
 
 

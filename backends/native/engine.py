@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,7 +28,7 @@ from backends.base import (
 from backends.kv_events import KVEventBatch, ZmqEventPublisher
 from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
-from backends.native.model_runner import ModelRunner, kv_bytes_per_block
+from backends.native.model_runner import ModelRunner, StepRunner, kv_bytes_per_block
 from backends.native.openmp import release_thread_pool
 from backends.native.process import prepare_process
 from backends.native.sampler import Sampled, ranked, sample, sample_tokens, token_logprob, token_logprobs
@@ -39,6 +39,9 @@ from backends.native.transfers import PendingPicks
 from backends.native.weights import default_model_path, open_checkpoint
 from backends.sim.runner import unsupported_by_simulation
 from backends.stopping import StopChecker
+
+if TYPE_CHECKING:
+    from backends.native.workers import ParallelRunner
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.runner: StepRunner
         if config.simulate is not None:  # a simulated replica: no weights, each step the time a profile models
             from backends.sim.runner import SimulatedRunner
 
@@ -87,8 +91,7 @@ class LLMEngine:
         if events.enable_kv_cache_events and events.publisher == "zmq":
             self.kv_events = ZmqEventPublisher(events.endpoint, events.topic)
             self.blocks.events = []
-            self.blocks.medium = self.runner.kv_medium if self.runner.picks_tokens else \
-                "GPU" if self.runner.device.type == "cuda" else "CPU"
+            self.blocks.medium = self.runner.kv_medium
         self._in_flight: tuple[ScheduledStep, PendingPicks] | None = None  # launched, tokens not applied yet
         self._pipeline: deque[ScheduledStep] = deque()  # pipeline parallelism: launched, oldest first
         self._busy: set[Sequence] = set()  # the sequences of the batches in the pipeline
@@ -249,13 +252,14 @@ class LLMEngine:
         finish the oldest. A sequence is in one batch at a time (its next token needs the last one), and each batch
         takes an even share of the live sequences, so that the batches in flight are alike (vLLM's virtual engines
         each hold a share of the requests)."""
+        runner = cast("ParallelRunner", self.runner)  # the one runner with pipeline stages (depth > 1)
         live = len(self.scheduler.running) + len(self.scheduler.waiting)
-        share = max(1, -(-live // self.runner.depth))
-        while len(self._pipeline) < self.runner.depth:
+        share = max(1, -(-live // runner.depth))
+        while len(self._pipeline) < runner.depth:
             scheduled = self.scheduler.schedule(busy=self._busy, max_seqs=share)
             if scheduled is None:
                 break
-            self.runner.launch(scheduled.batch)
+            runner.launch(scheduled.batch)
             self._count_prompt_tokens(scheduled)
             self._pipeline.append(scheduled)
             self._busy.update(scheduled.seqs)
@@ -263,7 +267,7 @@ class LLMEngine:
             return []
         scheduled = self._pipeline.popleft()
         self._busy.difference_update(scheduled.seqs)
-        return self._sampled(scheduled, self.runner.finish())
+        return self._sampled(scheduled, runner.finish())
 
     def _sampled(self, scheduled: ScheduledStep, logits: torch.Tensor) -> list[RequestOutput]:
         """Sample a finished step's logits (prompt logprobs collected first) and apply its tokens."""
@@ -289,7 +293,8 @@ class LLMEngine:
         if scheduled is None:
             return self._finish_in_flight()
         previous = self._in_flight[1].device if self._in_flight is not None else None
-        logits = self.runner.execute(scheduled.batch, previous)
+        runner = cast(ModelRunner, self.runner)  # async scheduling: one process (EngineConfig.overlaps_steps)
+        logits = runner.execute(scheduled.batch, previous)
         self._count_prompt_tokens(scheduled)
         tokens, _ = sample_tokens(logits, scheduled.sampling, self.eos_token_ids)  # every row samples (no forks)
         pending = PendingPicks(tokens)
@@ -328,7 +333,8 @@ class LLMEngine:
     def _collect_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens that this step's rows of ``seq`` predict (row j, at position
         ``num_computed + j``, predicts the token after it), appended to ``seq.prompt_logprobs``."""
-        collected, start = seq.prompt_logprobs, seq.num_computed
+        collected, start, top_n = seq.prompt_logprobs, seq.num_computed, seq.params.prompt_logprobs
+        assert collected is not None and top_n is not None, "rows of every logit only for prompt_logprobs"
         if not collected:
             collected.append(None)  # the first prompt token has no logprob
         first = max(len(collected) - 1 - start, 0)  # the row predicting the next uncollected prompt token
@@ -340,7 +346,7 @@ class LLMEngine:
         chosen = logprobs.gather(1, targets.unsqueeze(1))
         ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
         token_ids, chosen = targets.tolist(), chosen.squeeze(1).tolist()
-        tops = ranked(logprobs, token_ids, chosen, seq.params.prompt_logprobs)
+        tops = ranked(logprobs, token_ids, chosen, top_n)
         collected.extend(zip(token_ids, chosen, ranks, tops))
 
     def _output(self, update: Update) -> RequestOutput:
@@ -348,17 +354,21 @@ class LLMEngine:
         group = self._requests[seq.request_id]
         logprobs = token_logprobs(self.tokenizer, update.sampled) if seq.params.logprobs is not None else None
         usage = Usage(seq.num_prompt, sum(s.num_output for s in group), group[0].num_cached_prompt)
+        stop_reason = None
+        if reason is not None:
+            assert seq.stop is not None  # set when the engine admitted the request
+            stop_reason = seq.stop.stop_reason
         chunk = GenerationChunk(update.text, [update.sampled.token_id], logprobs, reason, usage, seq.index,
-                                seq.stop.stop_reason if reason is not None else None)
-        if seq.num_output == 1 and group[0].prompt_logprobs is not None:
-            chunk.prompt_logprobs = self._prompt_logprobs(group[0])
+                                stop_reason)
+        if seq.num_output == 1 and (collected := group[0].prompt_logprobs) is not None:
+            chunk.prompt_logprobs = self._prompt_logprobs(collected)
         return seq.request_id, chunk
 
-    def _prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob | None]:
-        """vLLM's prompt_logprobs: None for the first token, then each token's logprob and rank with the top
-        alternatives (ranked 1, 2, ...)."""
+    def _prompt_logprobs(self, collected: list) -> list[TokenLogprob | None]:
+        """vLLM's prompt_logprobs from a sequence's ``collected`` entries: None for the first token, then each
+        token's logprob and rank with the top alternatives (ranked 1, 2, ...)."""
         return [None if entry is None else token_logprob(self.tokenizer, entry[0], entry[1], entry[3], entry[2])
-                for entry in seq.prompt_logprobs]
+                for entry in collected]
 
     # ---------------------------------------------------------------------------------- figures
     def settings(self) -> dict:
@@ -373,7 +383,7 @@ class LLMEngine:
                     runner.num_layers),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
-                "linear_kernels": runner.model.linear_kernels(),  # rank 0's, by layer kind (linear_kernels.py)
+                "linear_kernels": runner.linear_kernels(),  # rank 0's, by layer kind (linear_kernels.py)
                 "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
                 "cuda_graphs": runner.graphs is not None, "async_scheduling": self.overlap_steps,

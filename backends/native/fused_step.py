@@ -67,7 +67,10 @@ def _weight_kind(linears: list[Linear]) -> int | None:
 def _copy(m: Linear) -> torch.Tensor:
     """The tiles or strips the C step reads for ``m`` (a tile or strip kernel's own layout)."""
     kernel = m.kernel
-    return kernel.tiles if isinstance(kernel, TileKernel) else kernel.strips
+    if isinstance(kernel, TileKernel):
+        return kernel.tiles
+    assert isinstance(kernel, StripKernel)  # _weight_kind found tiles or strips in every layer
+    return kernel.strips
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -94,7 +97,8 @@ class FusedStep:
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kind: int,
                  attention: CpuAttention, any_rows: bool) -> None:
-        self.model = model
+        assert model.embed_tokens is not None  # one stage (build): the whole model
+        self.model, self.embed = model, model.embed_tokens
         self.max_rows = None if any_rows else STRIP_ROWS if kind == FP32_STRIPS else TILE_ROWS
         cfg, attn, mlp = model.config, model.layers[0].self_attn, model.layers[0].mlp
 
@@ -111,7 +115,7 @@ class FusedStep:
                                       k_cache.data_ptr(), v_cache.data_ptr()))
         self.layers = (LayerWeights * len(table))(*table)
         scales = model.layers[0].self_attn.qkv_proj.scales if kind == INT8_TILES else None
-        dtype = model.embed_tokens.weight.dtype
+        dtype = self.embed.weight.dtype
         hkv, num_blocks, block_size, _ = kv_caches[0][0].shape
         amx = attention.amx_prefill and amx_prefill_runs(dtype, attn.scale, attn.num_heads, hkv, attn.head_dim,
                                                           block_size)
@@ -133,7 +137,7 @@ class FusedStep:
         (the runner pads those rows to a bucket, as for an eager step: an LM head without a small-step copy runs
         on oneDNN, compiled for the buckets only)."""
         model, rows = self.model, len(input_ids)
-        hidden = model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = torch.empty_like(hidden)
         blocked = self.max_rows is None and rows > TILE_ROWS  # step_layers.c's blocked steps
         scratch = {name: hidden.new_empty(0 if name == "gate_up" and blocked else rows, size)

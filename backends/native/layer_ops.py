@@ -8,6 +8,8 @@ cost as much as attention. ``attention.choose_kernels`` picks one per model.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,25 @@ def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     """q [T, Hq, D], k and v [T, Hkv, D] as views of the fused projection ``qkv`` [T, (Hq + 2 Hkv) * D]."""
     heads = qkv.view(qkv.shape[0], -1, head_dim)
     return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
+
+
+class LayerOps(Protocol):
+    """The contract: a class of static methods (``TorchLayerOps``, ``CpuLayerOps``, triton_layer_ops.py's
+    ``TritonLayerOps``), used as the class itself."""
+
+    name: str
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @staticmethod
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor: ...
+
+    @staticmethod
+    def rotary_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class TorchLayerOps:

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from backends.native.layer_ops import LayerOps
 from backends.native.linear_kernels import (
     INT8,
     PLAIN,
@@ -52,6 +53,7 @@ class Linear(nn.Linear):
     makes the weight int8."""
 
     kernel: LinearKernel = PLAIN
+    weight: nn.Parameter
 
     def pack(self, small_steps: SmallStepCopy | None = None, keep_weight: bool = False) -> None:
         """Choose this layer's kernel once its weight is loaded: float weights packed for oneDNN (``can_pack`` must
@@ -125,6 +127,6 @@ class GateUpLinear(Linear):
         self._drop_weight(keep_weight)
         return kernel
 
-    def silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T); ``ops`` (layer_ops.py) multiplies where no epilogue does."""
         return self.kernel.silu_and_mul(self, x, ops)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.native import cpu_kernels
+from backends.native.layer_ops import LayerOps
 
 # Above this many rows the int8 kernel, which widens each weight once per four rows, loses to dequantising
 # the weight and calling a blocked GEMM (measured on SmolLM2's shapes, AVX2).
@@ -198,7 +199,7 @@ class LinearKernel:
         """``x @ W.T + bias`` for x [..., in_features]."""
         return F.linear(x, layer.weight, layer.bias)
 
-    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) for a layer whose weight is [gate; up]; ``ops`` (layer_ops.py) multiplies
         where the kernel has no epilogue for it."""
         return ops.silu_and_mul(self.matmul(layer, x))
@@ -268,7 +269,7 @@ class OneDnnGateUpKernel(LinearKernel):
     def matmul(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # both halves, for callers other than the MLP
         return torch.cat([onednn_linear(x, self.gate), onednn_linear(x, self.up)], dim=-1)
 
-    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return onednn_linear(x, self.gate, activation="swish", times=self.up)
 
     def layouts(self) -> list[torch.Tensor]:
@@ -306,7 +307,7 @@ class TileKernel(LinearKernel):
         y = tile_matmul(x, self.tiles, _scales(layer, self.tiles))
         return y if layer.bias is None else y + layer.bias
 
-    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if (larger := self._to_larger(x)) is not None:
             return larger.silu_and_mul(layer, x, ops)
         if self._blocked(x):
@@ -349,7 +350,7 @@ class StripKernel(LinearKernel):
         y = strip_matmul(x, self.strips)
         return y if layer.bias is None else y + layer.bias
 
-    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops) -> torch.Tensor:
+    def silu_and_mul(self, layer: nn.Linear, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         if x.numel() > STRIP_ROWS * x.shape[-1]:
             return self.larger.silu_and_mul(layer, x, ops)
         return ops.silu_and_mul(self.matmul(layer, x))

@@ -25,7 +25,7 @@ from torch import nn
 from backends.native.attention import AttentionBackend, Kernels, StepMetadata
 from backends.native.config import ModelConfig
 from backends.native.host_memory import available_memory
-from backends.native.layer_ops import TorchLayerOps
+from backends.native.layer_ops import LayerOps, TorchLayerOps
 from backends.native.linear import GateUpLinear, Int8Rows, Linear, SmallStepCopy
 from backends.native.linear_kernels import (
     can_pack,
@@ -46,7 +46,7 @@ SMALL_STEP_COPY_SHARE = 0.25
 
 
 class RMSNorm(nn.Module):
-    ops = TorchLayerOps
+    ops: LayerOps = TorchLayerOps
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    ops = TorchLayerOps
+    ops: LayerOps = TorchLayerOps
     backend: AttentionBackend  # set by ``LlamaModel.use_kernels``
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
@@ -87,7 +87,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    ops = TorchLayerOps
+    ops: LayerOps = TorchLayerOps
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
@@ -151,28 +151,39 @@ class LlamaModel(nn.Module):
         self.config = cfg
         self.tp = tp = tp or TensorParallel()
         self.stage = stage = stage or PipelineStage(layers=range(cfg.num_layers))
-        self.embed_tokens = VocabEmbedding(cfg, tp) if stage.is_first else None
+        self.embed_tokens: VocabEmbedding | None = VocabEmbedding(cfg, tp) if stage.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in stage.layers)
-        self.norm = self.lm_head = None
+        self.norm: RMSNorm | None = None
+        self.lm_head: Linear | None = None
         if stage.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             vocab = tp.padded_rows(cfg.vocab_size)
             self.lm_head = Linear(cfg.hidden_size, vocab.stop - vocab.start, bias=False)  # vocab-parallel
-            if self.head_is_table:
-                self.lm_head.weight = self.embed_tokens.weight
+            if (tied := self.tied_head()) is not None:
+                table, head = tied
+                head.weight = table.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling, device=next(self.parameters()).device)
 
     @property
     def head_is_table(self) -> bool:
         """Whether the LM head reads the embedding table itself (tied, and both on this stage)."""
-        return self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None
+        return self.tied_head() is not None
+
+    def tied_head(self) -> tuple[VocabEmbedding, Linear] | None:
+        """(the embedding table, the LM head) where the head reads the table itself, else None."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            return self.embed_tokens, self.lm_head
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: StepMetadata,
                 hidden: Hidden | None = None) -> torch.Tensor | Hidden | None:
         """``hidden``: the previous stage's output, where this is not the first stage."""
-        x, residual = (self.embed_tokens(input_ids), None) if hidden is None else hidden
+        if hidden is None:
+            assert self.embed_tokens is not None, "only the first stage starts from token ids"
+            hidden = self.embed_tokens(input_ids), None
+        x, residual = hidden
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
@@ -183,6 +194,7 @@ class LlamaModel(nn.Module):
     def logits(self, x: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits of ``rows`` (int64 indices) from the last layer's output and residual stream (None:
         added into the output already)."""
+        assert self.norm is not None and self.lm_head is not None, "only the last stage has the LM head"
         x, _ = self.norm(x[rows], None if residual is None else residual[rows])
         logits = self.tp.gather_columns(self.lm_head(x))
         return None if logits is None else logits[:, :self.config.vocab_size].float()
@@ -291,10 +303,11 @@ class LlamaModel(nn.Module):
             unset.discard(name)
         if unset:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unset)[:5]}")
-        if tied_head and self.lm_head.is_int8:
-            q = Int8Rows.quantize(self.embed_tokens.weight)
-            _copy(self.lm_head.weight, None, q.values, 0, None, "lm_head.weight")
-            _copy(self.lm_head.scales, None, q.scales, 0, None, "lm_head.scales")
+        if (tied := self.tied_head()) is not None and tied[1].is_int8:
+            table, head = tied
+            q = Int8Rows.quantize(table.weight)
+            _copy(head.weight, None, q.values, 0, None, "lm_head.weight")
+            _copy(head.scales, None, q.scales, 0, None, "lm_head.scales")
 
     def holds(self, hf_name: str) -> bool:
         """Whether this rank's stage takes the HF tensor ``hf_name`` (checkpoints skip the others unread)."""

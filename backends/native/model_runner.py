@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any, Protocol
 
 import torch
 
@@ -67,6 +68,41 @@ def kv_cache_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype, bu
                     tp_size: int = 1, num_layers: int | None = None) -> int:
     """How many KV blocks a rank's ``budget_bytes`` hold: the engine's allocation and the planner's prediction."""
     return max(budget_bytes, 0) // kv_bytes_per_block(config, block_size, dtype, tp_size, num_layers)
+
+
+class StepRunner(Protocol):
+    """What the engine runs its steps on: ``ModelRunner`` (one process), ``ParallelRunner`` (workers.py: ranks in
+    processes or Ray actors; it alone runs ``depth`` > 1 steps at once, by ``launch`` and ``finish``) or
+    backends/sim's ``SimulatedRunner`` (modelled step times, no weights: ``picks_tokens``)."""
+
+    picks_tokens: bool  # execute returns the tokens themselves, not logits for the engine's sampler
+    depth: int  # batches in flight at once
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    block_size: int
+    num_blocks: int
+    num_layers: int
+    kernels: Any  # describe() names them
+    graphs: Any  # CUDA graphs, or None
+    fused: Any  # fused CPU steps, or None
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def kv_medium(self) -> str:
+        """Where the KV cache lives, as vLLM's KV events name it ("GPU", "CPU")."""
+
+    def execute(self, batch: Batch) -> Any: ...
+
+    def weight_bytes(self) -> int: ...
+
+    def small_step_copy_bytes(self) -> int: ...
+
+    def linear_kernels(self) -> dict[str, str]: ...
+
+    def close(self) -> None: ...
 
 
 class ModelRunner:
@@ -175,6 +211,15 @@ class ModelRunner:
         """Bytes of weights this rank holds."""
         return self.model.weight_bytes()
 
+    def linear_kernels(self) -> dict[str, str]:
+        """This rank's kernel per kind of linear layer (``LlamaModel.linear_kernels``)."""
+        return self.model.linear_kernels()
+
+    @property
+    def kv_medium(self) -> str:
+        """Where this rank's KV cache lives, as vLLM's KV events name it."""
+        return "GPU" if self.device.type == "cuda" else "CPU"
+
     def stage_clock(self) -> dict:
         """Where this rank's time went (parallel.StageClock), with its busy time."""
         clock = self.stage.clock
@@ -218,6 +263,7 @@ class ModelRunner:
         that the host has not seen yet written in: ``batch.placeholders`` are (row, index into ``previous``)."""
         ids = self._ids(values)
         if batch.placeholders:
+            assert previous is not None, "placeholders stand for the previous step's picks"
             rows, picks = zip(*batch.placeholders)
             ids[self._ids(list(rows))] = previous[self._ids(list(picks))]
         return ids
@@ -242,16 +288,16 @@ class ModelRunner:
             return self.graphs.run(batch, self._token_ids(batch, batch.token_ids, previous))
         attention = self.kernels.attention
         meta = attention.build(batch)
-        fused = self.fused is not None and self.fused.can_run(batch)
+        fused = self.fused if self.fused is not None and self.fused.can_run(batch) else None
         ids, positions, logits_rows = batch.token_ids, batch.positions, len(meta.logits_indices)
         if self.pad_rows:  # a fused step's kernels take any row count: only its LM head's rows are bucketed
-            padding = [] if fused else [0] * (padded_rows(len(ids)) - len(ids))
+            padding = [] if fused is not None else [0] * (padded_rows(len(ids)) - len(ids))
             ids, positions = ids + padding, positions + padding
             attention.pad(meta, len(ids), padded_rows(logits_rows))
         hidden = self._stage_input(len(batch.token_ids), len(ids))
         ids, positions = self._token_ids(batch, ids, previous), self._ids(positions)
-        if fused:
-            return self.fused.run(ids, positions, meta)[:logits_rows]
+        if fused is not None:
+            return fused.run(ids, positions, meta)[:logits_rows]
         out = self.model(ids, positions, self.kv_caches, meta, hidden)
         if not self.stage.is_last:
             x, residual = out

@@ -197,6 +197,7 @@ class PipelineStage:
     def send(self, x: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Hand the hidden states and residual stream (zeros where the layers added it already: exact, since
         adding zeros changes no value) of this stage's rows to the next stage."""
+        assert self.next_rank is not None, "the last stage sends nothing on"
         both = torch.stack([x, torch.zeros_like(x) if residual is None else residual])
         self.outbox.send([both.contiguous()], self.next_rank)
         self.clock.sent_bytes += both.numel() * both.element_size()

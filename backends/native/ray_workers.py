@@ -75,7 +75,7 @@ class RayWorkers:
 
         self.placeholder = in_bundle(0) if gpu else None
         # the GPU of the driver's bundle, which the engine's process runs on (None on CPU)
-        self.driver_gpu = ray.get(self.placeholder.gpu_ids.remote())[0] if gpu else None
+        self.driver_gpu = None if self.placeholder is None else ray.get(self.placeholder.gpu_ids.remote())[0]
         nodes = ray.util.placement_group_table(self.group)["bundles_to_node_id"]
         bundles = sorted(range(1, len(specs) + 1), key=lambda b: (nodes[b] != nodes[0], nodes[b]))
         tp = config.tensor_parallel_size

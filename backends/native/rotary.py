@@ -11,7 +11,8 @@ import torch
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair rotation frequencies, computed in fp32 (``1 / theta^(2i/d)``, then scaled)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

@@ -44,7 +44,8 @@ def warm_up_linears(model: torch.nn.Module, dtype: torch.dtype, max_rows: int, m
     """Run every distinct linear layer of ``model`` whose kernel compiles per shape (oneDNN's) once at every bucket
     (up to ``max_head_rows`` for the LM head, ``max_rows`` for the others), on ``dtype`` activations, so that none
     is compiled while serving."""
-    started, shapes = time.perf_counter(), {}
+    started = time.perf_counter()
+    shapes: dict[tuple, Linear] = {}
     head = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, Linear) and module.kernel.compiles_per_shape:

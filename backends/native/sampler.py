@@ -12,6 +12,7 @@ the grammar's mask included; alternatives are listed as vLLM does: the chosen to
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ class Sampled:
 
 
 def token_logprob(tokenizer: Tokenizer, token_id: int, logprob: float | None,
-                  top: list[tuple[int, float]] = (), rank: int | None = None) -> TokenLogprob:
+                  top: Iterable[tuple[int, float]] = (), rank: int | None = None) -> TokenLogprob:
     """A token's logprob and its alternatives as chunks carry them: with each token's text."""
     def text(t: int) -> str:
         return tokenizer.decode([t], False)
@@ -76,12 +77,14 @@ def picks(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, seqs: list[Se
     """``sample_tokens``' result on the host, with logprobs and alternatives where asked: the step's one
     device-to-host copy without logprobs."""
     out = [Sampled(tok) for tok in tokens.tolist()]
-    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if rows:
+    asked = {i: s.params.logprobs for i, s in enumerate(seqs) if s.params.logprobs is not None}
+    if asked:
+        assert raw_logprobs is not None  # sample_tokens keeps them when a row asks for logprobs
+        rows = list(asked)
         chosen = raw_logprobs[rows].gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
-        for i, logprob in zip(rows, chosen):
+        for (i, top_n), logprob in zip(asked.items(), chosen):
             out[i].logprob = logprob
-            (out[i].top,) = ranked(raw_logprobs[i:i + 1], [out[i].token_id], [logprob], seqs[i].params.logprobs)
+            (out[i].top,) = ranked(raw_logprobs[i:i + 1], [out[i].token_id], [logprob], top_n)
     return out
 
 

@@ -30,6 +30,7 @@ from backends.native.block_manager import BlockManager
 from backends.native.config import EngineConfig
 from backends.native.sampler import Sampled
 from backends.native.sequence import Sequence, Status
+from backends.stopping import StopChecker
 
 PLACEHOLDER = -1  # a token still on the device (async scheduling): never hashed, replaced before the model reads it
 
@@ -88,7 +89,7 @@ class Scheduler:
         seq.forks = []
         self._finish(seq, "abort")
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is not Status.FINISHED:
             self.blocks.free(seq)
             seq.status = Status.FINISHED
@@ -112,7 +113,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq in busy:
                 continue  # preempted earlier in this loop, or its last step is still in flight
-            if seq.pending is not None and seq.stop.ends_by_length(seq.num_output, seq.num_tokens):
+            if seq.pending is not None and _stop(seq).ends_by_length(seq.num_output, seq.num_tokens):
                 continue  # its in-flight token is its last: nothing more to compute
             n = min(seq.num_uncomputed, budget)
             while not (allocated := self.blocks.allocate(seq, n)):
@@ -165,7 +166,8 @@ class Scheduler:
 
     def _batch(self, seqs: list[Sequence], chosen: dict[Sequence, int]) -> Batch:
         bs = self.blocks.block_size
-        token_ids, positions, slots, qlens, ctxs, tables, sample, all_logits = [], [], [], [], [], [], [], []
+        token_ids: list[int] = []
+        positions, slots, qlens, ctxs, tables, sample, all_logits = [], [], [], [], [], [], []
         placeholders: list[tuple[int, int]] = []
         for seq in seqs:
             n, start = chosen[seq], seq.num_computed
@@ -233,7 +235,7 @@ class Scheduler:
             seq.token_ids[-1], seq.pending = pick.token_id, None
         else:
             seq.token_ids.append(pick.token_id)
-        text, reason = seq.stop.add(pick.token_id, seq.num_tokens)
+        text, reason = _stop(seq).add(pick.token_id, seq.num_tokens)
         if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(pick.token_id):
             reason = reason or "abort"  # the grammar allowed no token (e.g. all masked): nothing valid can follow
         if reason is not None:
@@ -243,3 +245,9 @@ class Scheduler:
                 self.waiting.remove(seq)
             self._finish(seq, reason)
         return Update(seq, pick, text, reason)
+
+
+def _stop(seq: Sequence) -> StopChecker:
+    """The sequence's stop checker, which the engine sets when it admits the request."""
+    assert seq.stop is not None, f"{seq.request_id} was scheduled without a stop checker"
+    return seq.stop

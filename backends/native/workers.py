@@ -59,7 +59,9 @@ class RankSpec:
 class Workers(Protocol):
     """The ranks beyond the driver, wherever they run."""
 
-    driver_gpu: int | None  # the CUDA device the executor reserved for the driver, where it chooses one
+    @property
+    def driver_gpu(self) -> int | None:
+        """The CUDA device the executor reserved for the driver, where it chooses one."""
 
     def dead(self) -> list[str]:
         """The names of the ranks that stopped."""

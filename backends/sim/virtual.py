@@ -22,6 +22,7 @@ from backends.base import Backend, EngineStats, GenerationRequest, InvalidReques
 from backends.kv_events import BlockRemoved, BlockStored
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.native.engine import LLMEngine
+from backends.sim.runner import SimulatedRunner
 from backends.tokenizer import Tokenizer
 from gateway.deployments import Deployment
 from gateway.limits import ConcurrencyLimiter
@@ -134,7 +135,7 @@ class VirtualFleet:
                 return
             steps += 1
             replica.busy = True
-            push(now + replica.engine.runner.last_step_s, "step", (replica, outputs, events_now))
+            push(now + cast(SimulatedRunner, replica.engine.runner).last_step_s, "step", (replica, outputs, events_now))
 
         for request in requests:
             push(request.at_s + self.frontend_s, "arrive", request)

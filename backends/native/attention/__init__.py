@@ -14,13 +14,14 @@ kernel path is one more backend here and one more branch in ``choose_kernels``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from backends.native.attention.base import AttentionBackend, StepMetadata
 from backends.native.attention.torch_attention import TorchAttention
 from backends.native.config import ModelConfig
-from backends.native.layer_ops import CpuLayerOps, TorchLayerOps
+from backends.native.layer_ops import CpuLayerOps, LayerOps, TorchLayerOps
 
 __all__ = ["KERNEL_CHOICES", "AttentionBackend", "Kernels", "StepMetadata", "choose_kernels"]
 
@@ -31,8 +32,8 @@ KERNEL_CHOICES = ("auto", "torch")
 class Kernels:
     """What one model runs on besides matmuls: an attention backend and the elementwise layer ops."""
 
-    attention: AttentionBackend
-    layer_ops: type  # TorchLayerOps or CpuLayerOps (layer_ops.py)
+    attention: AttentionBackend[Any]
+    layer_ops: LayerOps  # TorchLayerOps, CpuLayerOps or TritonLayerOps, the class itself
 
     def describe(self) -> str:
         """For the start-up log line."""
@@ -53,7 +54,7 @@ def choose_kernels(kernels: str, config: ModelConfig, dtype: torch.dtype, device
         from backends.native.attention import triton_attention
         from backends.native.triton_layer_ops import TritonLayerOps
 
-        layer_ops = TritonLayerOps if TritonLayerOps.available(dtype, config.head_dim) else TorchLayerOps
+        layer_ops: LayerOps = TritonLayerOps if TritonLayerOps.available(dtype, config.head_dim) else TorchLayerOps
         if triton_attention.supports(config.head_dim):
             return Kernels(triton_attention.TritonAttention(block_size, num_blocks, device), layer_ops)
         return Kernels(torch_attention, layer_ops)

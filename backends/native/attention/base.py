@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -26,8 +27,12 @@ class StepMetadata:
     logits_indices: torch.Tensor  # [num_sampled] int64: rows whose hidden state feeds the LM head
 
 
-class AttentionBackend(abc.ABC):
-    """One way of running paged attention (pure torch, C kernels on CPU, Triton on CUDA)."""
+Meta = TypeVar("Meta", bound=StepMetadata)
+
+
+class AttentionBackend(abc.ABC, Generic[Meta]):
+    """One way of running paged attention (pure torch, C kernels on CPU, Triton on CUDA), on metadata of its own
+    (``Meta``)."""
 
     name: str
     supports_graphs = False  # builds static decode metadata that CUDA graphs can replay (cuda_graphs.py)
@@ -38,21 +43,31 @@ class AttentionBackend(abc.ABC):
         self.device = device
 
     @abc.abstractmethod
-    def build(self, batch: Batch) -> StepMetadata:
+    def build(self, batch: Batch) -> Meta:
         """The tensors this backend's ``forward`` needs for ``batch``, built once per step."""
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: Meta, scale: float) -> torch.Tensor:
         """Attention output [T, Hq, D] for queries ``q`` [T, Hq, D]. This step's keys/values ``k``/``v``
         [T, Hkv, D] are already in the caches [Hkv, num_blocks, block_size, D] (head-major)."""
+
+    def static_decode_metadata(self, max_seqs: int, max_blocks: int) -> Meta:
+        """Decode metadata of fixed addresses for up to ``max_seqs`` sequences of ``max_blocks`` blocks, which
+        captured CUDA graphs read (``supports_graphs`` backends only)."""
+        raise NotImplementedError(f"{self.name} attention runs no CUDA graphs")
+
+    def fill_decode_metadata(self, static: Meta, batch: Batch, size: int) -> None:
+        """Write a decode ``batch`` padded to ``size`` sequences into ``static`` in place (``supports_graphs``
+        backends only)."""
+        raise NotImplementedError(f"{self.name} attention runs no CUDA graphs")
 
     @property
     def scratch_block(self) -> int:
         """One block past those the block manager hands out (the caches hold it): padding rows write there."""
         return self.num_blocks
 
-    def pad(self, meta: StepMetadata, rows: int, logits_rows: int) -> None:
+    def pad(self, meta: Meta, rows: int, logits_rows: int) -> None:
         """Extend ``meta`` to a step padded to ``rows`` token rows, whose extra keys and values go to the
         scratch block, and to ``logits_rows`` LM-head rows (repeats of row 0, for the caller to drop). The
         backend's own fields still describe the real sequences only: padding rows are never attended."""
@@ -60,7 +75,7 @@ class AttentionBackend(abc.ABC):
         meta.slot_mapping = torch.cat([slots, slots.new_full((rows - len(slots),), self.scratch_block * self.block_size)])
         meta.logits_indices = torch.cat([indices, indices.new_zeros(logits_rows - len(indices))])
 
-    def int64(self, values: list[int]) -> torch.Tensor:
+    def int64(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return to_device(values, torch.int64, self.device)
 
     def common(self, batch: Batch) -> tuple[list[int], torch.Tensor, torch.Tensor]:

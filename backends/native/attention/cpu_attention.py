@@ -38,7 +38,7 @@ class CpuMetadata(StepMetadata):
     prefill_context_lens: torch.Tensor
 
 
-class CpuAttention(AttentionBackend):
+class CpuAttention(AttentionBackend[CpuMetadata]):
     """Decodes and prefill chunks on the C kernels, reading the cache in place; bf16 prefill chunks on the AMX
     tiles where the CPU has them, unless ``amx_prefill`` is off (see the module docstring)."""
 

@@ -62,7 +62,7 @@ class Workspace:
         return [buf[i * numel:(i + 1) * numel].view(shape) for i in range(count)]
 
 
-class TorchAttention(AttentionBackend):
+class TorchAttention(AttentionBackend[TorchMetadata]):
     name = "torch"
 
     def __init__(self, block_size: int, num_blocks: int, device: torch.device) -> None:

@@ -35,7 +35,7 @@ def supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-class TritonAttention(AttentionBackend):
+class TritonAttention(AttentionBackend[TritonMetadata]):
     name = "Triton paged"
     supports_graphs = True
 
