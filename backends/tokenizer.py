@@ -66,8 +66,8 @@ class Tokenizer:
         self.hf = _load_hf_tokenizer(model_path)
         self.vocab_size = len(self.hf)
         self.eos_token_id = self.hf.eos_token_id
-        # The Rust tokenizer itself, when transformers' decode would add nothing to it: 2-3x faster per
-        # call, and incremental detokenisation decodes twice per generated token.
+        # The Rust tokenizer itself, when transformers' decode would add nothing to it: faster per call
+        # (docs/performance.md), and incremental detokenisation decodes twice per generated token.
         self._rust = None if self.hf.clean_up_tokenization_spaces else getattr(self.hf, "backend_tokenizer", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -36,7 +36,7 @@ CSRC = Path(__file__).with_name("csrc")
 # Fast math lets the compiler vectorise reductions and exp (libmvec); the kernels meet no NaN on valid inputs
 # (running maxima start at -FLT_MAX, exp arguments are clamped), and inf in one place only: the AMX prefill
 # kernel's probabilities may overflow to inf in a step that must raise a maximum, which the compare of their
-# sum with e^8 catches (AVX-512 intrinsics, which GCC does not fold; clamping instead cost 4%). It applies to compiling
+# sum with e^8 catches (AVX-512 intrinsics, which GCC does not fold; clamping instead was slower). It applies to compiling
 # only: linking with -ffast-math adds crtfastmath.o, which turns on flush-to-zero for the whole process.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math", "-fPIC"]
 LDFLAGS = ["-shared", "-fopenmp"]

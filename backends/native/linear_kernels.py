@@ -64,8 +64,8 @@ def layout_serves_all_rows(weight: torch.Tensor, activations: torch.dtype) -> bo
     than oneDNN's matmul, so it can be the weight's only copy (csrc/tile_linear.c's blocked path, for more than
     ``TILE_ROWS`` rows, takes bf16 activations and bf16 or int8 weights whose outputs are a multiple of 32; int8
     ones, dequantised for oneDNN's bf16 matmul instead, made prefills slower than bf16's). fp32 strips do not:
-    past ``STRIP_ROWS`` rows they only drew level with oneDNN over a step's weights not in cache (414-424
-    GFLOP/s against 418, rows or strips chunked)."""
+    past ``STRIP_ROWS`` rows they only drew level with oneDNN over a step's weights not in cache
+    (docs/performance.md)."""
     return (activations == torch.bfloat16 and weight.shape[0] % 32 == 0 and can_tile(weight)
             and tile_steps() == TILE_STEPS_ANY)
 

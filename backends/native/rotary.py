@@ -56,7 +56,7 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [T, H, D] (HF's rotate-half layout), computed in fp32; returns a new contiguous tensor.
 
-    Each half is written in place with mul + addcmul (no ``cat``): 2-4x faster than the textbook form.
+    Each half is written in place with mul + addcmul (no ``cat``): faster than the textbook form (docs/performance.md).
     """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)

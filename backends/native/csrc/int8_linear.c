@@ -4,7 +4,7 @@
  *
  * With a handful of rows the step streams every weight once and does little with it, so its speed is the
  * memory's: int8 weights are a quarter of fp32's bytes. torch's own _weight_int8pack_mm has no AVX2 path
- * (5-7x slower than an fp32 oneDNN matmul at one row on an AVX2 EPYC: benchmarks/int8_matmul.py), so this one
+ * (slower than an fp32 oneDNN matmul at one row on AVX2: benchmarks/int8_matmul.py), so this one
  * is written to vectorise on any x86-64 level: each int8 weight is widened once for up to ROWS rows of x.
  * Output columns are spread over the process's OpenMP threads: each thread streams its own weight rows.
  * Many rows (a prefill) are not its job: linear_kernels.py dequantises and calls a blocked GEMM there.

@@ -313,7 +313,7 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
 
 /* ------------------------------------------------------------------------------- prefill (causal) */
 /* The widest vector this build's ISA holds in one register: a wider GCC vector type is emulated through
- * the stack (a 16-lane type on AVX2 ran the score loop 7x slower than two 8-lane ones). */
+ * the stack (on AVX2 a 16-lane type ran the score loop slower than two 8-lane ones: docs/performance.md). */
 #if defined(__AVX512F__)
 #define LANES 16
 #define AT_ONCE 4 /* keys (scores) or value columns (outputs) per register block: 4 x ROW_VECS accumulators */
