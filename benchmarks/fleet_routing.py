@@ -57,7 +57,7 @@ WORKLOADS = {
 }
 # gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
 POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@256", "cache_aware@64",
-            "cache_aware_precise@64"]
+            "cache_aware_precise@64", "cache_aware@auto", "cache_aware_precise@auto"]
 BLOCK_SIZE = {"native": 16, "vllm": 32}  # tokens per KV block of each engine (vLLM's CPU attention: a multiple of 32)
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 
@@ -104,8 +104,8 @@ def gateway_command(target: str, replicas: list[tuple[str, str]], port: int, blo
     if routing["policy"] == "cache_aware":  # the replicas' tokenizer, read here: no /tokenize call per request
         from backends.native.weights import default_model_path
 
-        routing.update(block_size=block_size, tokenizer=str(default_model_path()), **({"load_cost_tokens": float(cost)}
-                                                                               if cost else {}))
+        load_cost = {"load_cost_tokens": cost if cost == "auto" else float(cost)} if cost else {}
+        routing.update(block_size=block_size, tokenizer=str(default_model_path()), **load_cost)
     config = Path(tempfile.mkdtemp()) / "gateway.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "routing": routing, "deployments": deployments}]}))
     return burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")

@@ -12,10 +12,11 @@ own policies at sizes no machine here can run for real.
     python benchmarks/fleet_sim_routing.py --save benchmarks/results/fleet_sim_routing.json
 
 ``--policies`` takes ``cache_aware@COST`` for cache_aware at another ``load_cost_tokens`` (how much a cached prompt
-token weighs against a request of load), e.g. the sweep of benchmarks/results/fleet_sim_load_cost.json:
+token weighs against a request of load; ``auto`` to learn it), e.g. the sweep of
+benchmarks/results/fleet_sim_load_cost.json:
 
     python benchmarks/fleet_sim_routing.py --skip llmd --policies round_robin,cache_aware@64,cache_aware@256,\
-cache_aware@1024 --save benchmarks/results/fleet_sim_load_cost.json
+cache_aware@1024,cache_aware@auto --save benchmarks/results/fleet_sim_load_cost.json
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def run(engine: EngineConfig, replicas: int, policy: str, requests: list, tokeni
     result = fleet.run(requests)
     row = {k: result.summary[k] for k in FIGURES}
     row.update(steps=result.steps, simulated_s=result.virtual_s, host_s=time.perf_counter() - started)
+    if (load_cost := getattr(fleet.policy, "load_cost", None)) is not None:
+        row["load_cost_tokens"] = load_cost.tokens  # as configured, or as ``auto`` learnt it by the run's end
     print(f"  {policy:<22} {replicas:>3} replicas: {row['output_throughput']:>9,.0f} tok/s  TTFT p50/p90 "
           f"{row['median_ttft_ms']:>8,.0f}/{row['p90_ttft_ms']:>8,.0f} ms  cached {row['cached_token_rate']:.0%}  "
           f"({row['host_s']:.0f} s here)", flush=True)

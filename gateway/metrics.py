@@ -61,6 +61,10 @@ class GatewayMetrics:
         self.prefix_index_precise = Gauge("burstgate:prefix_index_precise", "1 while the routing index follows the "
                                           "engine's KV events, 0 when it is kept from routing decisions alone.",
                                           ("model", "backend"), registry=r)
+        self.routing_load_cost_tokens = Gauge("burstgate:routing_load_cost_tokens", "Uncached prompt tokens the "
+                                              "routing policy weighs one request of load against (cache_aware's "
+                                              "load_cost_tokens, as configured or as auto learnt it).",
+                                              ("model",), registry=r)
         # Leaks show here first (the soak suite reads them): memory and descriptors of the process, and the
         # asyncio tasks alive in the serving loop.
         ProcessCollector(registry=r)

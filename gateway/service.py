@@ -275,6 +275,8 @@ class Gateway:
         if (blocks := group.policy.index_blocks(d)) is not None:
             self.metrics.prefix_index_blocks.labels(group.name, d.name).set(blocks)
             self.metrics.prefix_index_precise.labels(group.name, d.name).set(bool(group.policy.index_precise(d)))
+        if (load_cost := group.policy.load_cost_tokens()) is not None:
+            self.metrics.routing_load_cost_tokens.labels(group.name).set(load_cost)
         d.breaker.dispatch()
 
     def _settle(self, caller: Caller, request: GenerationRequest, used: list[int]) -> None:

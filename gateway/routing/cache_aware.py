@@ -14,6 +14,11 @@ reported yet still counts). So a prefix hit of ``k`` tokens is worth ``k / load_
 a conversation stays where its history is until that replica is that much busier than another, then moves (and
 the replica it moves to holds its history from then on: affinity is never dropped for good).
 
+``load_cost_tokens`` is an exchange rate between prefill and queueing that depends on the hardware and the traffic.
+``auto`` learns it: a request ahead of a new one delays it by about its own prefill, so one request of load is worth
+the uncached prompt tokens of the requests routed (their mean, the last few hundred weighing most), starting from 64
+as if 50 requests had brought that many: a burst's first requests, which find no cache anywhere, do not decide it.
+
 Guards, before the costs:
 - imbalance (SGLang's ``balance_abs_threshold`` / ``balance_rel_threshold``): when the busiest candidate has more
   than ``balance_abs_threshold`` requests over the idlest and more than ``balance_rel_threshold`` times its load,
@@ -29,7 +34,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
@@ -55,8 +60,9 @@ class CacheAwareConfig(PolicyConfig):
     # engine's, else the first deployment's /tokenize; without either, prompts are cut into characters
     tokenizer: str | None = None
     # uncached prompt tokens one running or queued request is worth: an exchange rate between prefill and queueing
-    # that depends on the hardware (docs/routing.md: 64 on CPU replicas, 256 on simulated H100s)
-    load_cost_tokens: float = Field(64.0, ge=0)
+    # that depends on the hardware and the traffic (docs/routing.md: 64 led on CPU replicas; on simulated H100
+    # fleets 256, and "auto", which learns it from the traffic, tied the best fixed rate at every size)
+    load_cost_tokens: Annotated[float, Field(ge=0)] | Literal["auto"] = 64.0
     # the imbalance guard (SGLang's): when the busiest candidate runs more than balance_abs_threshold requests over
     # the idlest and more than balance_rel_threshold times its load, only those within the threshold stay
     balance_abs_threshold: int = Field(32, ge=0)
@@ -82,6 +88,7 @@ class CacheAware(Policy):
         self._block_size = config.block_size
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> deployment name
         self.events_at: dict[str, float] = {}  # deployment name -> when its last KV events arrived
+        self.load_cost = LoadCost(config.load_cost_tokens)
 
     def background(self):
         followed = [d for d in self.deployments if getattr(d.config, "kv_events", None)]
@@ -138,6 +145,9 @@ class CacheAware(Policy):
     def index_blocks(self, deployment: Deployment) -> int:
         return self.index.size(deployment.name)
 
+    def load_cost_tokens(self) -> float:
+        return self.load_cost.tokens
+
     def load(self, d: Deployment) -> float:
         """Requests ``d`` runs and queues: the engine's figure or this gateway's in-flight count, the larger."""
         engine = self.loads.load(d)
@@ -158,7 +168,8 @@ class CacheAware(Policy):
         tokens = request.tokens or []
         keys = request.notes["keys"] = block_hashes(tokens, self.block_size)
         cached = {d.name: self.index.match(d.name, keys) * self.block_size for d in candidates}
-        cost = {d.name: len(tokens) - cached[d.name] + cfg.load_cost_tokens * loads[d.name] for d in candidates}
+        load_cost = self.load_cost.tokens
+        cost = {d.name: len(tokens) - cached[d.name] + load_cost * loads[d.name] for d in candidates}
         best = min(cost.values())
         tied = [d for d in candidates if cost[d.name] <= best + cfg.tie_tokens]
         sticky = self._sessions.get(request.session) if request.session else None
@@ -166,6 +177,8 @@ class CacheAware(Policy):
             tied, lambda d: (loads[d.name], -cached[d.name]))
         if reason is None:
             reason = "prefix_hit" if cached[chosen.name] else "no_prefix" if keys else "no_tokens"
+        if tokens:
+            self.load_cost.observe(len(tokens) - cached[chosen.name])
         return Choice(chosen, reason)
 
     def dispatched(self, deployment: Deployment, request: RoutedRequest) -> None:
@@ -179,6 +192,31 @@ class CacheAware(Policy):
             self._sessions.move_to_end(request.session)
             while len(self._sessions) > SESSIONS:
                 self._sessions.popitem(last=False)
+
+
+class LoadCost:
+    """Uncached prompt tokens one request of load is worth: the configured number, or for ``auto`` the mean of the
+    uncached prompt tokens of the requests routed so far, after ``AUTO_PRIOR`` requests of ``AUTO_START`` tokens:
+    exact up to ``1 / AUTO_WEIGHT`` requests in all, then weighted towards the latest (traffic changes)."""
+
+    AUTO_START = 64.0  # the default for fixed rates
+    AUTO_PRIOR = 50  # requests' worth of weight the start keeps
+    AUTO_WEIGHT = 0.005  # the weight of each new request once past the first 200
+
+    def __init__(self, setting: float | Literal["auto"]) -> None:
+        self.fixed = None if setting == "auto" else float(setting)
+        self.mean, self.seen = self.AUTO_START, self.AUTO_PRIOR
+
+    @property
+    def tokens(self) -> float:
+        """The exchange rate now."""
+        return self.mean if self.fixed is None else self.fixed
+
+    def observe(self, uncached: int) -> None:
+        """A request routed with ``uncached`` prompt tokens to prefill where it went."""
+        if self.fixed is None:
+            self.seen += 1
+            self.mean += max(1 / self.seen, self.AUTO_WEIGHT) * (uncached - self.mean)
 
 
 def _engine_block_size(deployments: list[Deployment]) -> int | None:

@@ -118,6 +118,10 @@ class Policy(abc.ABC):
         """Whether that index follows ``deployment``'s engine's KV events now (None: no index)."""
         return None
 
+    def load_cost_tokens(self) -> float | None:
+        """Uncached prompt tokens the policy weighs one request of load against now (None: it weighs none)."""
+        return None
+
     def background(self) -> list[Callable[[], Any]]:
         """Coroutine functions the gateway runs for as long as it serves (scrapers, event subscribers)."""
         return []

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+from pydantic import ValidationError
+
 from backends.base import GenerationRequest, SamplingParams
 from backends.http import RemoteConfig
 from backends.openai_http import OpenAIHTTPBackend
@@ -108,3 +111,39 @@ def test_a_replica_that_goes_down_is_never_chosen_and_its_conversations_rehome()
     assert again.deployment is not first and again.reason == "only"
     first.healthy = True
     assert send(group, history + ids(" next"), hold=False).reason == "prefix_hit"  # both hold it now
+
+
+def test_auto_load_cost_is_the_mean_uncached_prompt_of_the_requests_routed_and_follows_the_traffic():
+    group, _ = group_of("a", "b", load_cost_tokens="auto")
+    learnt = group.policy.load_cost
+    assert learnt.tokens == 64  # before any request
+    send(group, ids("0000" + "x" * 156), hold=False)
+    assert learnt.tokens == pytest.approx((50 * 64 + 160) / 51)  # one cold request does not decide it
+    for i in range(1, 1000):  # 160 tokens, nothing shared (each differs in its first block)
+        send(group, ids(f"{i:04d}" + "x" * 156), hold=False)
+    assert learnt.tokens == pytest.approx(160, rel=0.01)
+    for i in range(600):  # the traffic changes: 40-token prompts
+        send(group, ids(f"{i:04d}" + "y" * 36), hold=False)
+    assert 40 < learnt.tokens < 50  # the latest few hundred weigh most
+
+
+def test_a_learnt_rate_moves_a_conversation_off_a_busy_replica_sooner_than_a_low_fixed_one():
+    """Where each request brings 160 uncached tokens, one request of load is worth more than 64: a replica three
+    requests busier loses a 256-token history to an idle one under ``auto``, keeps it at 64."""
+    history = ids("system: be brief. " * 14)[:256]
+    turn = history + ids(" user: and then?")
+    for setting, stays in (("auto", False), (64.0, True)):
+        group, (a, b) = group_of("a", "b", load_cost_tokens=setting)
+        for i in range(100):
+            send(group, ids(f"{i:04d}" + "x" * 156), hold=False)
+        first = send(group, history, hold=False).deployment
+        other = b if first is a else a
+        first.limiter.in_flight, other.limiter.in_flight = 3, 0
+        assert (send(group, turn, hold=False).deployment is first) == stays, setting
+
+
+def test_load_cost_tokens_takes_a_number_or_auto():
+    with pytest.raises(ValidationError, match="load_cost_tokens"):
+        CacheAwareConfig(load_cost_tokens="fast")
+    with pytest.raises(ValidationError, match="load_cost_tokens"):
+        CacheAwareConfig(load_cost_tokens=-1)

@@ -60,6 +60,7 @@ def test_conversations_stay_with_their_history_and_hit_the_engines_prefix_caches
     assert sum(s.prefix_cache_hits for s in stats) > 0.4 * sum(s.prefix_cache_queries for s in stats)
     precise = _metric(url, "burstgate:prefix_index_precise")
     assert precise and all(v == 1 for v in precise.values())  # the engines' events arrived
+    assert _metric(url, "burstgate:routing_load_cost_tokens") == {(("model", "m"),): 64.0}
 
 
 def test_the_index_forgets_what_an_engine_clears(fleet):
