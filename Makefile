@@ -57,7 +57,7 @@ docs-serve: install-dev
 
 lint: install-dev
 	$(VENV)/bin/ruff check gateway backends loadtest tests benchmarks docs/generate.py
-	$(VENV)/bin/mypy gateway backends
+	$(VENV)/bin/mypy gateway backends loadtest
 
 # Peers for side-by-side benchmarks only, each in its own venv under .peers/ (never test dependencies).
 .peers/vllm/bin/python:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -32,7 +32,7 @@ console = Console()
 TARGETS, WORKLOAD, CONVERSATIONS, TRACES = "Targets", "Workload", "Multi-turn conversations", "Trace replay"
 ARRIVALS, CAPACITY, OUTPUT = "Arrivals and sweeps", "Goodput and capacity at an SLO", "Output"
 
-PAPER = {"requests": 1000, "input_len": "512", "schedule": Schedule.burst}  # arXiv 2311.03687
+PAPER: dict[str, Any] = {"requests": 1000, "input_len": "512", "schedule": Schedule.burst}  # arXiv 2311.03687
 
 
 class Endpoint(StrEnum):

@@ -146,13 +146,14 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
         "output_tokens_counted_by_tokenizer": sum(r.ok and r.output_tokens_counted == "tokenizer" for r in records),
         "cached_token_rate": cached_token_rate(good),
     }
-    summary.update(stats("ttft", [r.ttft for r in good]))
+    summary.update(stats("ttft", [t for r in good if (t := r.ttft) is not None]))  # every good one has it
     summary.update(stats("tpot", [r.tpot for r in good if r.tpot is not None]))
     summary.update(stats("itl", [gap for r in good for gap in r.itls]))
-    summary.update(stats("e2el", [r.e2el for r in good]))
+    summary.update(stats("e2el", [e for r in good if (e := r.e2el) is not None]))
     summary.update(stats("send_lag", [r.send_lag for r in records]))
     summary.update(stats("client_queue_time", [r.queue_time for r in good]))
-    summary.update(stats("e2el_including_client_queue", [r.e2el + r.queue_time for r in good]))
+    summary.update(stats("e2el_including_client_queue",
+                         [e + r.queue_time for r in good if (e := r.e2el) is not None]))
     if slos_ms:
         summary["slos_ms"] = dict(slos_ms)
     return summary
@@ -161,9 +162,9 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
 def cached_token_rate(records: list[RequestRecord]) -> float | None:
     """Prompt tokens the server served from its prefix cache / prompt tokens, over the requests whose usage said
     (``prompt_tokens_details.cached_tokens``); None when none did."""
-    said = [r for r in records if r.cached_tokens is not None]
-    prompt = sum(r.prompt_tokens for r in said)
-    return sum(r.cached_tokens for r in said) / prompt if said and prompt else None
+    said = [(r.prompt_tokens, cached) for r in records if (cached := r.cached_tokens) is not None]
+    prompt = sum(p for p, _ in said)
+    return sum(c for _, c in said) / prompt if said and prompt else None
 
 
 # The server's own prefix-cache counters (tokens looked up, tokens found): vLLM's, then burstgate's.

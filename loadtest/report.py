@@ -8,6 +8,7 @@ import csv
 import html
 import io
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,17 +76,19 @@ def console_table(summaries: list[dict], console: Console | None = None) -> None
         console.print(f"output throughput relative to {base['label']}: {ratios}")
 
 
-def _rows(summaries: list[dict]) -> list[tuple]:
-    rows = [("hardware", lambda s: s.get("hardware", "?")),
+def _rows(summaries: list[dict]) -> list[tuple[str, Callable[[dict], str]]]:
+    rows: list[tuple[str, Callable[[dict], str]]] = [("hardware", lambda s: s.get("hardware", "?")),
             ("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
             ("duration (s)", lambda s: f"{s['duration']:.2f}"),
             ("requests/s", lambda s: f"{s['request_throughput']:.2f}"),
             ("output tok/s (peak 1 s)", lambda s: f"{s['output_throughput']:.1f} ({s['max_output_tokens_per_s']:.0f})"),
             ("total tok/s", lambda s: f"{s['total_token_throughput']:.1f}"),
             ("input / output tokens", lambda s: f"{s['total_input_tokens']} / {s['total_output_tokens']}")]
+    def percentiles(m: str) -> Callable[[dict], str]:
+        return lambda s: f"{s[f'mean_{m}_ms']:.1f} / {s[f'median_{m}_ms']:.1f} / {s[f'p99_{m}_ms']:.1f}"
+
     for metric in ("ttft", "tpot", "itl", "e2el"):
-        rows.append((f"{metric.upper()} mean/p50/p99 (ms)",
-                     lambda s, m=metric: f"{s[f'mean_{m}_ms']:.1f} / {s[f'median_{m}_ms']:.1f} / {s[f'p99_{m}_ms']:.1f}"))
+        rows.append((f"{metric.upper()} mean/p50/p99 (ms)", percentiles(metric)))
     rows += [("peak concurrency", lambda s: str(s["max_concurrent_requests"])),
              ("p99 send lag (ms)", lambda s: f"{s['p99_send_lag_ms']:.2f}"),
              ("warm-up requests", lambda s: str(s.get("warmup_requests", 0))),
@@ -99,7 +102,7 @@ def _rows(summaries: list[dict]) -> list[tuple]:
 
 # ------------------------------------------------------------------------------------------- files
 def write_files(folder: Path, results: list[TargetResult], measured: list[Measured], plots: bool = True,
-                recommendations: list[Recommendation] = ()) -> None:
+                recommendations: Sequence[Recommendation] = ()) -> None:
     """The run folder's files: summary.json (a list, one object per measurement), summary.csv, vllm/*.json
     (vLLM's result schema), requests-<i>.jsonl, details-<i>.json, and with ``plots`` PNGs and report.html."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,7 @@ def write_summaries(folder: Path, summaries: list[dict]) -> None:
 
 
 def write_report(folder: Path, measured: list[Measured], title: str = "burstgate load test",
-                 recommendations: list[Recommendation] = ()) -> Path:
+                 recommendations: Sequence[Recommendation] = ()) -> Path:
     """Every plot as PNG, and report.html holding the same plots inlined with the numbers and settings."""
     import matplotlib.pyplot as plt
 
@@ -285,7 +288,7 @@ def _probe_rows(measured: list[Measured], target: str) -> list[dict]:
     """The curve behind one target's capacity: each probe's rate, latency percentiles and SLO attainment."""
     runs = [m for m in measured if m.target == target and m.capacity]
     rows = []
-    for probe, m in zip(runs[0].capacity["probes"], runs):
+    for probe, m in zip((runs[0].capacity or {})["probes"], runs):  # runs: those with a capacity
         s = m.summary
         rows.append({"role": probe["role"], "rate": probe["rate"] or probe["request_throughput"],
                      "attained": probe["attained"], "passed": probe["passed"],
@@ -445,7 +448,7 @@ td:first-child,th:first-child{text-align:left}img{max-width:100%;display:block;m
 
 
 def _html(title: str, measured: list[Measured], images: dict[str, str],
-          recommendations: list[Recommendation] = (), notes: dict[str, str] | None = None) -> str:
+          recommendations: Sequence[Recommendation] = (), notes: dict[str, str] | None = None) -> str:
     e = html.escape
     summaries = [m.summary for m in measured]
     head = "".join(f"<th>{e(m.name)}</th>" for m in measured)
@@ -476,7 +479,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _recommendation_html(recommendations: list[Recommendation]) -> str:
+def _recommendation_html(recommendations: Sequence[Recommendation]) -> str:
     """The run's answer first: per hardware, model, workload and SLO, which target carries the most."""
     if not recommendations:
         return ""

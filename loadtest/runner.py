@@ -72,7 +72,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
 
     ``warmup`` requests go first, all at once (under the closed loop's limit), outside the timed window.
     ``count_tokens`` re-counts the output of requests the server sent no usage for."""
-    offsets = ([s.at_s for s in specs] if cfg.schedule is Schedule.trace
+    offsets = (_trace_offsets(specs) if cfg.schedule is Schedule.trace
                else arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed))
     async with new_client(cfg.request) as client:
         await _warm_up(client, target, warmup, cfg)
@@ -110,6 +110,14 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
                    schedule=cfg.schedule.value, warmup_requests=len(warmup),
                    server_prefix_cache_hit_rate=server_hit_rate(before, after))
     return TargetResult(target, cfg, records, summary, samples, before, after, client_hardware(), _warnings(summary))
+
+
+def _trace_offsets(specs: list[RequestSpec]) -> list[float]:
+    """A replayed trace's send times, which every one of its requests carries."""
+    offsets = [s.at_s for s in specs if s.at_s is not None]
+    if len(offsets) != len(specs):
+        raise ValueError("a trace's requests must each carry their send time")
+    return offsets
 
 
 def _freeze_heap() -> None:
@@ -167,6 +175,7 @@ async def _converse(client: aiohttp.ClientSession, target: Target, specs: list[R
     conversation (its later turns are not sent)."""
     turns: dict[int, list[int]] = {}
     for i, spec in enumerate(specs):
+        assert spec.conversation is not None  # a conversational workload's every request has one
         turns.setdefault(spec.conversation, []).append(i)
     records: list[RequestRecord | None] = [None] * len(specs)
 

@@ -61,6 +61,7 @@ def arrival_offsets(schedule: Schedule, n: int, rate: float | None = None, burst
         raise ValueError("a trace's send times come with its requests, not from a schedule")
     if schedule is Schedule.burst or n == 0:
         return [0.0] * n
+    assert rate is not None  # check() refused the other schedules without one
     if schedule is Schedule.constant:
         return [(i + 1) / rate for i in range(n)]
     shape = used_burstiness(schedule, burstiness)

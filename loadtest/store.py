@@ -84,7 +84,13 @@ def save(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, d
         (run_group, time.time(), summary["hardware"], summary["model_id"], summary["url"], summary["label"], workload,
          summary["failed"], json.dumps(summary), json.dumps(details), json.dumps(records)))
     db.commit()
-    return int(cur.lastrowid)
+    return _row_id(cur)
+
+
+def _row_id(cur: sqlite3.Cursor) -> int:
+    """The id of the row ``cur``'s INSERT made."""
+    assert cur.lastrowid is not None  # sqlite sets it on every INSERT
+    return cur.lastrowid
 
 
 def slo_key(slos_ms: dict[str, float], attainment: float) -> str:
@@ -102,7 +108,7 @@ def save_capacity(db: sqlite3.Connection, run_group: str, workload: str, summary
          slo_key(capacity["slos_ms"], capacity["attainment"]), capacity["rate"], capacity["limited_by"],
          json.dumps(settings), json.dumps(capacity), json.dumps(run_ids)))
     db.commit()
-    return int(cur.lastrowid)
+    return _row_id(cur)
 
 
 def capacities(db: sqlite3.Connection) -> list[dict]:

@@ -96,7 +96,7 @@ class Sampler:
 
     def sample(self) -> Sample:
         s = Sample(time.perf_counter() - self._t0)
-        if self.process is not None:
+        if self.process is not None and self._psutil is not None:  # set together
             try:
                 s.cpu_percent = self._cpu_percent()
                 s.rss_bytes = sum(p.memory_info().rss for p in self._tree())

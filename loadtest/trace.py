@@ -22,6 +22,7 @@ import functools
 import json
 import random
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +108,11 @@ def trace_specs(trace: list[TraceRequest], tokenizer: TokenizerLike, block_size:
 
 def _prompt_ids(r: TraceRequest, block_size: int, words: list[int], seed: int, index: int) -> list[int]:
     """The hash ids' blocks, cut to the input length; a request without hash ids has blocks of its own."""
-    hash_ids = r.hash_ids or tuple(("unshared", index, b) for b in range(-(-r.input_length // block_size)))
+    length = r.input_length
+    assert length is not None  # read_trace: a line without a prompt has its length
+    hash_ids: tuple[Hashable, ...] = r.hash_ids or tuple(("unshared", index, b) for b in range(-(-length // block_size)))
     ids = [t for h in hash_ids for t in _block(h, block_size, words, seed)]
-    return ids[:r.input_length]
+    return ids[:length]
 
 
 def _block(hash_id, block_size: int, words: list[int], seed: int) -> list[int]:

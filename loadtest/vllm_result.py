@@ -45,7 +45,8 @@ def vllm_result(summary: dict, records: list[RequestRecord]) -> dict:
         good = [r for r in records if r.ok]
         out.update(stats("client_queue_time", [r.queue_time for r in good]))
         if summary["request_rate"] != "inf":
-            out.update(stats("e2el_including_client_queue", [r.e2el + r.queue_time for r in good]))
+            out.update(stats("e2el_including_client_queue",
+                             [e + r.queue_time for r in good if (e := r.e2el) is not None]))
     return out
 
 

@@ -16,12 +16,13 @@ import json
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
 
 class TokenizerLike(Protocol):
+    def __hash__(self) -> int: ...  # workloads cache per tokenizer
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -127,7 +128,7 @@ def _draw(value: int | tuple[int, int], rng: random.Random) -> int:
     return value if isinstance(value, int) else rng.randint(value[0], value[1])
 
 
-def paper_preset(tokenizer: TokenizerLike, output_len: int = 128, n: int = 1000, seed: int = 0) -> list[RequestSpec]:
+def paper_preset(tokenizer: TokenizerLike, output_len: int | tuple[int, int] = 128, n: int = 1000, seed: int = 0) -> list[RequestSpec]:
     """arXiv 2311.03687's burst: 1000 prompts × 512 tokens, fixed max output, sent at t=0."""
     return synthetic(tokenizer, n, 512, output_len, seed)
 
@@ -186,6 +187,7 @@ class ServerCounter:
         self.session, self.url, self.model, self.chat, self.headers = session, url, model, chat, headers or {}
 
     async def count(self, text: str) -> int:
+        body: dict[str, Any]
         if self.chat:
             body = {"model": self.model, "messages": [{"role": "user", "content": text}]}
         else:

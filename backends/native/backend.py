@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from backends.base import (
     Backend,
@@ -15,6 +15,7 @@ from backends.base import (
     GenerationChunk,
     GenerationRequest,
     InvalidRequestError,
+    TokenLogprob,
     UnavailableError,
     refuse_extra_fields,
 )
@@ -92,8 +93,8 @@ class NativeBackend(Backend):
                 logprobs = chunk.logprobs
                 if logprobs is not None:
                     first = token_logprob(self.engine.tokenizer, first_token, None)
-                    prompt = [lp for lp in (chunk.prompt_logprobs or [])[1:] if lp is not None]  # all but the first
-                    logprobs = [first, *prompt, *logprobs]
+                    prompt = (chunk.prompt_logprobs or [])[1:]  # only the first prompt token has no logprob
+                    logprobs = [first, *cast("list[TokenLogprob]", prompt), *logprobs]
                 chunk = dataclasses.replace(chunk, text=prompt_text + chunk.text, logprobs=logprobs)
             yield chunk
 

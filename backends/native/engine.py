@@ -383,8 +383,8 @@ class LLMEngine:
                     runner.num_layers),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "max_model_len": self.max_model_len, "kernels": runner.kernels.describe(),
-                "linear_kernels": runner.linear_kernels(),  # rank 0's, by layer kind (linear_kernels.py)
-                "weight_bytes": runner.weight_bytes(),  # rank 0's: int8 layers show here
+                "linear_kernels": runner.linear_kernels(),  # the driver rank's, by layer kind (linear_kernels.py)
+                "weight_bytes": runner.weight_bytes(),  # the driver rank's: int8 layers show here
                 "small_step_copy_bytes": runner.small_step_copy_bytes(),  # within weight_bytes (linear.py)
                 "cuda_graphs": runner.graphs is not None, "async_scheduling": self.overlap_steps,
                 "fused_steps": runner.fused is not None}  # CPU steps in one C call (fused_step.py)

@@ -26,6 +26,7 @@ from backends.native.linear_kernels import (
 # A second copy of the weight for small steps: AMX/AVX512-BF16 tiles (bf16 activations) or AVX-512 strips (fp32).
 SmallStepCopy = Literal["tiles", "strips"]
 
+
 @dataclass
 class Int8Rows:
     """A matrix as int8 ``values`` [rows, cols] and one fp32 ``scales`` entry per row: row i is
@@ -44,7 +45,6 @@ class Int8Rows:
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix these rows stand for."""
         return self.values.float() * self.scales[:, None]
-
 
 
 class Linear(nn.Linear):

@@ -19,7 +19,8 @@ On CPUs with AMX tiles, bf16 weights are laid out as AMX tiles (``tile_layout``,
 up to ``TILE_ROWS`` rows stream them in order, near the copy bandwidth, where oneDNN's matmul on its packed
 weight is not; larger steps multiply them in cache-sized blocks, faster than oneDNN's matmul on SmolLM2's
 shapes, with SwiGLU's silu(gate) * up (``tile_silu_mul``) or the residual add (``tile_add``) in the rounding
-pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_serves_all_rows``), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
+pass. So where a weight's outputs are a multiple of 32 the tile layout is its only copy (``layout_serves_all_rows``: a
+``TileKernel`` with no larger kernel), bf16 or int8 (widened to bf16 tile by tile, its columns scaled in the rounding pass);
 otherwise it is a second copy for small steps. CPUs with AVX512-BF16 but no tiles (AMD Zen 4) read the same
 layout on vectors for steps of up to ``TILE_ROWS`` rows (``tile_steps``), where oneDNN's matmul is slower
 (benchmarks/small_step_matmul.py); larger steps there stay on oneDNN's packed copy.
@@ -96,6 +97,12 @@ def tile_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def _check_activations(x: torch.Tensor, dtype: torch.dtype, kernel: str) -> None:
+    """The C kernels read ``x`` as ``dtype``: anything else is refused here, not read as garbage there."""
+    if x.dtype != dtype:
+        raise ValueError(f"{kernel} multiplies {dtype} activations, not {x.dtype}")
+
+
 def _weight_args(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int | None]:
     """The C kernels' weight arguments around ``out``: (tiles, scales or NULL)."""
     return tiles.data_ptr(), None if scales is None else scales.data_ptr()
@@ -109,6 +116,7 @@ def _scale_flags(tiles: torch.Tensor, scales: torch.Tensor | None) -> tuple[bool
 def tile_silu_mul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for bf16 x [rows, k], from the ``tile_layout`` of [gate; up] (bf16, or int8
     with ``scales``), rounded as HF's bf16 Llama rounds (gate and up, the silu, the product)."""
+    _check_activations(x, torch.bfloat16, "tile_linear_silu_mul")
     k, half = x.shape[-1], tiles.shape[0] * 16 // 2  # tiles of 16 outputs: the gate's, then the up's
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], half)
@@ -122,6 +130,7 @@ def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor, scale
     """``residual += x @ weight.T`` in place, for bf16 x [rows, k] of more than ``TILE_ROWS`` rows and a contiguous
     residual [rows, n], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``), rounded as torch adds a
     bf16 layer's output to the residual stream (the product rounded first, then the sum)."""
+    _check_activations(x, torch.bfloat16, "tile_linear_add")
     k, n = x.shape[-1], tiles.shape[0] * 16
     x = x.contiguous()
     if cpu_kernels.library().tile_linear_add(x.data_ptr(), *_weight_args(tiles, scales), residual.data_ptr(),
@@ -131,6 +140,7 @@ def tile_add(x: torch.Tensor, tiles: torch.Tensor, residual: torch.Tensor, scale
 
 def tile_matmul(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for bf16 x [..., k], from the weight's ``tile_layout`` (bf16, or int8 with ``scales``)."""
+    _check_activations(x, torch.bfloat16, "tile_linear")
     k, n = x.shape[-1], tiles.shape[0] * 16
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], n)
@@ -157,6 +167,7 @@ def strip_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def strip_matmul(x: torch.Tensor, strips: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for fp32 x [..., k], from the weight's ``strip_layout``."""
+    _check_activations(x, torch.float32, "strip_linear")
     k, n = x.shape[-1], strips.shape[0] * 32
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], n)
@@ -165,9 +176,8 @@ def strip_matmul(x: torch.Tensor, strips: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
-            times: torch.Tensor | None = None) -> torch.Tensor:
+                  times: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's matmul on a packed weight (plus ``bias``), ``activation`` applied to its sums; with ``times`` (a
     second packed weight), that result multiplies x @ times.T in the second matmul's epilogue."""
     y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, activation, [], "")

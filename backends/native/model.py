@@ -2,7 +2,7 @@
 
 Operates on the flat token layout [T, hidden] of one engine step; q/k/v and gate/up projections are
 fused into one weight each (gate/up: on AMX CPUs silu(gate) * up comes out of the tile kernel's rounding
-pass; packed for oneDNN in bf16 elsewhere, two matmuls chained by their epilogues; linear.py).
+pass; packed for oneDNN in bf16 elsewhere, two matmuls chained by their epilogues; linear_kernels.py).
 ``load_weights`` takes tensors under HF names and fills the fused layout.
 Under tensor parallelism (parallel.py) each rank builds its shard of every layer and loads its slice of
 every tensor; the all-reduces and the logits gather are the model's only collectives. Under pipeline parallelism
@@ -283,8 +283,8 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors into this module: this rank's slice of each, q/k/v and gate/up fused, int8
         layers quantised per output channel (Q8_0 tensors straight from their blocks). Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        tied_head = self.head_is_table
-        unset = {name for name in params if not (tied_head and name.startswith("lm_head."))}
+        head_reads_table = self.head_is_table
+        unset = {name for name in params if not (head_reads_table and name.startswith("lm_head."))}
         for hf_name, tensor in tensors:
             if not self.holds(hf_name):
                 continue  # another stage's, or not a weight

@@ -177,8 +177,6 @@ class CacheAware(Policy):
             tied, lambda d: (loads[d.name], -cached[d.name]))
         if reason is None:
             reason = "prefix_hit" if cached[chosen.name] else "no_prefix" if keys else "no_tokens"
-        if tokens:
-            self.load_cost.observe(len(tokens) - cached[chosen.name])
         return Choice(chosen, reason)
 
     def dispatched(self, deployment: Deployment, request: RoutedRequest) -> None:
@@ -186,6 +184,8 @@ class CacheAware(Policy):
         if keys is None and request.tokens:
             keys = block_hashes(request.tokens, self.block_size)
         if keys:
+            if request.tokens:  # every request routed teaches auto's rate, whichever path chose its deployment
+                self.load_cost.observe(len(request.tokens) - self.index.match(deployment.name, keys) * self.block_size)
             self.index.record(deployment.name, keys)  # approximate: its prefill will leave them there
         if request.session:
             self._sessions[request.session] = deployment.name
@@ -201,7 +201,8 @@ class LoadCost:
 
     AUTO_START = 64.0  # the default for fixed rates
     AUTO_PRIOR = 50  # requests' worth of weight the start keeps
-    AUTO_WEIGHT = 0.005  # the weight of each new request once past the first 200
+    AUTO_WEIGHT = 0.005  # the weight of each new request once past the first 150 (200 with the prior's 50)
+    AUTO_FLOOR = 16.0  # tokens: on traffic served almost wholly from cache, load still counts
 
     def __init__(self, setting: float | Literal["auto"]) -> None:
         self.fixed = None if setting == "auto" else float(setting)
@@ -210,7 +211,7 @@ class LoadCost:
     @property
     def tokens(self) -> float:
         """The exchange rate now."""
-        return self.mean if self.fixed is None else self.fixed
+        return max(self.mean, self.AUTO_FLOOR) if self.fixed is None else self.fixed
 
     def observe(self, uncached: int) -> None:
         """A request routed with ``uncached`` prompt tokens to prefill where it went."""

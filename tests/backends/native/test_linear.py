@@ -33,6 +33,7 @@ from backends.native.linear_kernels import (
     can_tile,
     layout_serves_all_rows,
     strip_layout,
+    strip_matmul,
     tile_add,
     tile_layout,
     tile_matmul,
@@ -289,6 +290,17 @@ def test_tile_kernel_serves_steps_of_any_size_on_amx_and_small_ones_on_avx512_bf
                                atol=2e-2, rtol=1e-2)
     with pytest.raises(RuntimeError, match=r"refused a \[64, 96\] weight"):
         tile_matmul(torch.randn(TILE_ROWS + 1, 96).bfloat16(), tile_layout(weight))
+
+
+def test_the_tile_and_strip_kernels_refuse_activations_of_another_dtype():
+    """The C kernels read the activations as bf16 (tiles) or fp32 (strips): another dtype is an error naming both,
+    not garbage."""
+    layer = _tile_layer(64, 64)
+    with pytest.raises(ValueError, match=r"tile_linear multiplies torch.bfloat16 activations, not torch.float32"):
+        tile_matmul(torch.ones(2, 64), tile_layout(layer.weight))
+    strips = strip_layout(torch.ones(64, 64))
+    with pytest.raises(ValueError, match=r"strip_linear multiplies torch.float32 activations, not torch.bfloat16"):
+        strip_matmul(torch.ones(2, 64, dtype=torch.bfloat16), strips)
 
 
 def test_only_bf16_weights_of_whole_tiles_get_a_tile_copy():

@@ -147,3 +147,14 @@ def test_load_cost_tokens_takes_a_number_or_auto():
         CacheAwareConfig(load_cost_tokens="fast")
     with pytest.raises(ValidationError, match="load_cost_tokens"):
         CacheAwareConfig(load_cost_tokens=-1)
+
+
+def test_auto_load_cost_learns_from_every_request_routed_and_keeps_a_floor():
+    group, _ = group_of("only", load_cost_tokens="auto")  # one candidate: routed without a choice
+    for i in range(20):
+        send(group, ids(f"{i:04d}" + "x" * 156), hold=False)
+    assert group.policy.load_cost.tokens == pytest.approx((50 * 64 + 20 * 160) / 70)
+    prompt = ids("cached " * 40)
+    for _ in range(2000):  # the same prompt again and again: all but its last partial block cached
+        send(group, prompt, hold=False)
+    assert group.policy.load_cost.tokens == 16  # the floor: load still counts
