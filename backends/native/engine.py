@@ -39,10 +39,10 @@ from backends.native.transfers import PendingPicks
 from backends.native.weights import default_model_path, open_checkpoint
 from backends.sim.runner import unsupported_by_simulation
 from backends.stopping import StopChecker
+from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from backends.native.workers import ParallelRunner
-from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 

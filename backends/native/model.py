@@ -259,7 +259,7 @@ class LlamaModel(nn.Module):
         linears = [m for m in linears if not m.layout_only]
         small_steps: SmallStepCopy = "tiles" if dtype == torch.bfloat16 else "strips"
         can_copy = can_tile if small_steps == "tiles" else can_strip
-        copied = [m for m in linears if can_copy(m.weight)]
+        copied = {m for m in linears if can_copy(m.weight)}
         copies = "none"
         if copied:
             extra = sum(m.weight.numel() * m.weight.element_size() for m in copied)
@@ -267,7 +267,7 @@ class LlamaModel(nn.Module):
             fits = extra <= SMALL_STEP_COPY_SHARE * available
             copies = (f"{small_steps} {'kept' if fits else 'left out, too large'} ({extra / 1e6:.0f} MB, "
                       f"{available / 1e6:.0f} MB available)")
-            copied = copied if fits else []
+            copied = copied if fits else set()
         for module in linears:
             module.pack(small_steps if module in copied else None, keep_weight=module is tied)
         return copies

@@ -177,15 +177,21 @@ class CacheAware(Policy):
             tied, lambda d: (loads[d.name], -cached[d.name]))
         if reason is None:
             reason = "prefix_hit" if cached[chosen.name] else "no_prefix" if keys else "no_tokens"
+        request.notes["cached"] = (chosen.name, cached[chosen.name])  # for dispatched: no second index lookup
         return Choice(chosen, reason)
+
+    def _cached(self, deployment: Deployment, request: RoutedRequest, keys: list) -> int:
+        """The prompt tokens ``deployment`` holds: as ``choose`` counted them, or (routed without a choice) now."""
+        name, cached = request.notes.get("cached", (None, 0))
+        return cached if name == deployment.name else self.index.match(deployment.name, keys) * self.block_size
 
     def dispatched(self, deployment: Deployment, request: RoutedRequest) -> None:
         keys = request.notes.get("keys")
         if keys is None and request.tokens:
             keys = block_hashes(request.tokens, self.block_size)
         if keys:
-            if request.tokens:  # every request routed teaches auto's rate, whichever path chose its deployment
-                self.load_cost.observe(len(request.tokens) - self.index.match(deployment.name, keys) * self.block_size)
+            if self.load_cost.learns and request.tokens:  # every request routed, whichever path chose its replica
+                self.load_cost.observe(len(request.tokens) - self._cached(deployment, request, keys))
             self.index.record(deployment.name, keys)  # approximate: its prefill will leave them there
         if request.session:
             self._sessions[request.session] = deployment.name
@@ -207,6 +213,11 @@ class LoadCost:
     def __init__(self, setting: float | Literal["auto"]) -> None:
         self.fixed = None if setting == "auto" else float(setting)
         self.mean, self.seen = self.AUTO_START, self.AUTO_PRIOR
+
+    @property
+    def learns(self) -> bool:
+        """Whether the rate is learnt (``auto``)."""
+        return self.fixed is None
 
     @property
     def tokens(self) -> float:
