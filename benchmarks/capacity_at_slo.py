@@ -76,12 +76,12 @@ def main() -> None:
                          "--precision", args.precision, "--no-plots")
             ranked = subprocess.run(burstgate("loadtest", "recommend", "--db", str(work / "capacity" / "store.sqlite"),
                                               "--json"), check=True, capture_output=True, text=True).stdout
-            record["capacity"] = {"run": run_record(), "recommendation": json.loads(ranked), "points": _points(folder)}
+            record["capacity"] = {"run": run_record(), "recommendation": json.loads(ranked), "points": points(folder)}
         if "sweep" not in args.skip:
             if args.deepspeed:
                 targets["deepspeed"] = serve_deployment(stack, {"kind": "deepspeed", "dtype": "float32"})
             folder = run(targets, work / "sweep", *shape, "--sweep-concurrency", args.concurrency)
-            record["sweep"] = {"run": run_record(), "targets": list(targets), "points": _points(folder)}
+            record["sweep"] = {"run": run_record(), "targets": list(targets), "points": points(folder)}
             if args.save:
                 figures = args.save.with_suffix("")
                 figures.mkdir(parents=True, exist_ok=True)
@@ -97,7 +97,7 @@ POINT_KEYS = ("label", "point", "completed", "failed", "request_throughput", "ou
               "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "request_goodput")
 
 
-def _points(folder: Path) -> list[dict]:
+def points(folder: Path) -> list[dict]:
     """Each measurement's numbers, and its server samples' peaks, from the run's files."""
     points = []
     for i, summary in enumerate(json.loads((folder / "summary.json").read_text())):
@@ -105,10 +105,11 @@ def _points(folder: Path) -> list[dict]:
         rss = [s["rss_bytes"] for s in samples if s.get("rss_bytes")]
         cpu = [s["cpu_percent"] for s in samples if s.get("cpu_percent") is not None]
         kv = [s["kv_cache_usage"] for s in samples if s.get("kv_cache_usage") is not None]
+        gpu = [sum(s["gpu_memory_used"]) for s in samples if s.get("gpu_memory_used")]
         points.append({k: summary.get(k) for k in POINT_KEYS} | {
             "samples": len(samples), "server_rss_peak_gib": max(rss) / 2**30 if rss else None,
             "server_cpu_mean_percent": sum(cpu) / len(cpu) if cpu else None,
-            "kv_cache_usage_peak": max(kv) if kv else None})
+            "kv_cache_usage_peak": max(kv) if kv else None, "gpu_memory_peak_gib": max(gpu) / 2**30 if gpu else None})
     return points
 
 

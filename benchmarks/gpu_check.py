@@ -18,6 +18,11 @@ Parts, in order of the default run:
   served       the 12.3B model behind ``burstgate serve``, loaded by ``burstgate loadtest run --preset paper``
                (1000 x 512 tokens at t=0, 128 out), beside the roofline of that burst; then the peers' burst
                (``--peer-requests`` of the same shape) for the side-by-side table
+  loadtest     the 12.3B model served again, for the load tester's GPU line and the simulator's held-out check:
+               four workloads whose every request is kept (a mixed burst, a burst of the paper's shape, a Poisson
+               run, multi-turn chat; ``sim_fidelity.py --real`` replays them on the H200 profile), a concurrency
+               sweep sampling the server (GPU memory, CPU, RSS, KV usage) with the report's figures, and the
+               capacity at an SLO (``--capacity``)
   tests        the CUDA test suite and the kernel tests on the device (greedy parity with transformers,
                prefix caching, chunked prefill, preemption, graphs vs eager)
   deepspeed    DeepSpeed-Inference (kernel injection where the model is not GQA; ops prebuilt for sm_90) behind burstgate's
@@ -40,6 +45,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,8 +64,23 @@ DEVICE = "cpu" if REHEARSAL else "cuda"
 TOY_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32}
 # (part, most seconds it may take); the run's budget caps each further
-PARTS = {"device": 40, "smollm2": 110, "steps": 100, "served": 160, "tests": 180, "deepspeed": 150, "mii": 130}
+PARTS = {"device": 40, "smollm2": 110, "steps": 100, "served": 160, "loadtest": 420, "tests": 180, "deepspeed": 150,
+         "mii": 130}
 DEFAULT_PARTS = ["device", "smollm2", "steps", "served", "tests", "deepspeed", "mii"]
+# The loadtest part's workloads, the shapes of sim_fidelity.py's grown to a 12.3B model on one GPU; outputs fixed
+# (ignore_eos), seed 0. The simulator replays each from its result file.
+GPU_WORKLOADS = {
+    "mixed": ["--requests", "256", "--input-len", "32:2048", "--output-len", "16:512"],
+    "paper_scaled": ["--requests", "256", "--input-len", "512", "--output-len", "128"],
+    "poisson": ["--requests", "320", "--input-len", "512", "--output-len", "128", "--rate", "16", "--schedule", "poisson"],
+    "multi_turn": ["--endpoint", "chat", "--users", "64", "--turns", "4", "--system-prompt-len", "1000",
+                   "--question-len", "100", "--output-len", "100"],
+}
+# The sweep and the capacity search: the paper's request shape, each point or probe stopped sending after
+# --duration seconds so that one request at a time does not take minutes; SLOs of an interactive chat service.
+GPU_SWEEP = ["--input-len", "512", "--output-len", "128", "--requests", "2048", "--duration", "12", "--warmup", "4"]
+GPU_CONCURRENCY = "1,16,64,256"
+GPU_SLOS = ["ttft:500", "tpot:40"]
 
 
 # ------------------------------------------------------------------------------------- the parts
@@ -109,14 +130,19 @@ def part_steps(args) -> dict:
     return result
 
 
+def _design_deployment(out: Path, max_model_len: int = 1024) -> dict:
+    """The 12.3B model (random bf16 weights) as ``burstgate serve`` deploys it on the device."""
+    return {"kind": "native", "model_path": str(model_config("design_12b", out)), "load_format": "dummy",
+            "dtype": "bfloat16", "device": DEVICE, "max_model_len": max_model_len, "max_num_seqs": 512,
+            "max_num_batched_tokens": 8192, "max_concurrency": 1024, "max_queue": 4096}
+
+
 def part_served(args) -> dict:
     from peers import burstgate, free_port, serving
 
     out = Path(args.out)
     device = _device_figures(out)
-    deployment = {"kind": "native", "model_path": str(model_config("design_12b", out)), "load_format": "dummy",
-                  "dtype": "bfloat16", "device": DEVICE, "max_model_len": 1024, "max_num_seqs": 512, "max_num_batched_tokens": 8192,
-                  "max_concurrency": 1024, "max_queue": 2048}
+    deployment = _design_deployment(out)
     port = free_port()
     result: dict = {"deployment": deployment}
     with serving(burstgate("serve", "--port", str(port), "--config", _config_file(deployment)), port,
@@ -135,6 +161,55 @@ def part_served(args) -> dict:
         if args.peer_requests:
             result["peer_burst"] = _loadtest(url, out, "peer-native", *_peer_burst(args))
     return result
+
+
+def part_loadtest(args) -> dict:
+    from capacity_at_slo import points
+    from peers import burstgate, free_port, loadtest, serving
+
+    out = Path(args.out)
+    deployment = _design_deployment(out, max_model_len=4096)  # the conversations grow to about 1,900 tokens
+    workloads, sweep, concurrency = GPU_WORKLOADS, GPU_SWEEP, GPU_CONCURRENCY
+    if REHEARSAL:
+        workloads = {name: _shrunk(options) for name, options in workloads.items()}
+        sweep, concurrency = [*sweep[:4], "--requests", "64", "--duration", "2", "--warmup", "1"], "1,4"
+    port = free_port()
+    result: dict = {"deployment": deployment, "workloads": workloads, "runs": {}}
+    with serving(burstgate("serve", "--port", str(port), "--config", _config_file(deployment)), port,
+                 timeout_s=240, log=out / "loadtest-server.log") as url:
+        import httpx
+
+        result["engine"] = next(d for m in httpx.get(f"{url}/info", timeout=10).json()["models"]
+                                for d in m["deployments"])["engine"]
+        for name, options in workloads.items():
+            kept = loadtest(f"{url}#{MODEL}", out / f"loadtest-{name}", *options, "--seed", "0", "--warmup", "4",
+                            log=out / f"loadtest-{name}.log")
+            (out / f"loadtest-{name}.json").write_text(json.dumps(kept))  # every request, for the simulator
+            result["runs"][name] = {k: kept.get(k) for k in LOADTEST_KEYS}
+        target = f"native={url}#{MODEL}"
+        for name, options in {"sweep": ["--sweep-concurrency", concurrency],
+                              "capacity": ["--capacity", *(a for s in GPU_SLOS for a in ("--goodput", s)),
+                                           "--precision", "0.1", "--no-plots"]}.items():
+            folder = out / f"loadtest-{name}"
+            with open(out / f"loadtest-{name}.log", "w") as log:
+                subprocess.run(burstgate("loadtest", "run", "--target", target, *sweep, *options, "--seed", "0",
+                                         "--out", str(folder), "--db", str(folder / "store.sqlite")),
+                               check=True, stdout=log, stderr=subprocess.STDOUT)
+            (run,) = (f.parent for f in folder.glob("*/summary.json"))
+            result[name] = {"points": points(run)}
+            if name == "sweep":
+                for png in run.glob("*_vs_concurrency.png"):
+                    shutil.copy(png, out / f"loadtest-{png.name}")
+            else:  # every probe's details carry the search's answer
+                result[name]["answer"] = json.loads((run / "details-0.json").read_text())["capacity"]
+    return result
+
+
+def _shrunk(options: list[str]) -> list[str]:
+    """A rehearsal's copy of a workload: 8 requests, 4 users of 2 turns, prompts and outputs cut to fit the toy."""
+    small = {"--requests": "8", "--users": "4", "--turns": "2", "--system-prompt-len": "64", "--question-len": "16",
+             "--output-len": "8", "--input-len": "32", "--rate": "8"}
+    return [small.get(options[i - 1], value) if i else value for i, value in enumerate(options)]
 
 
 def part_tests(args) -> dict:
@@ -217,8 +292,6 @@ def part_mii(args) -> dict:
 def _mii_model_dir(out: Path) -> Path:
     """What MII loads: the 12.3B config.json and SmolLM2's tokenizer (the one every other target counts with);
     its weights are drawn on the GPU by the carried DeepSpeed's checkpoint engine (DS_RANDOM_WEIGHTS)."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     from backends.native.weights import default_model_path
@@ -326,14 +399,16 @@ def burst_roofline(config: Path, engine: dict, device: dict, requests: int, inpu
             "output_tok_s": requests * output_len / (prefill_s + decode_s)}
 
 
+LOADTEST_KEYS = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
+                 "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+
+
 def _loadtest(url: str, out: Path, name: str, *options: str) -> dict:
     from peers import loadtest
 
     folder = out / name
     result = loadtest(f"{url}#{MODEL}", folder, "--warmup", "4", *options, log=out / f"{name}-loadtest.log")
-    keep = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
-            "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
-    return {k: result.get(k) for k in keep}
+    return {k: result.get(k) for k in LOADTEST_KEYS}
 
 
 def _peer_burst(args) -> list[str]:
@@ -476,6 +551,14 @@ def summary_lines(record: dict) -> list[str]:
                        f"roofline {r['output_tok_s']:.0f} tok/s ({_pct(p['output_throughput'] / r['output_tok_s'])})")
     else:
         line("served", "")
+    if s := ok("loadtest"):
+        runs = ", ".join(f"{name} {r['output_throughput']:.0f}" for name, r in s["runs"].items())
+        answer = s["capacity"]["answer"]
+        peak = max(p["output_throughput"] for p in s["sweep"]["points"])
+        line("loadtest", f"12.3B tok/s: {runs}; sweep peak {peak:.0f}; capacity at {', '.join(GPU_SLOS)}: "
+                         f"{answer['rate']:.2f} req/s ({answer['limited_by']})")
+    else:
+        line("loadtest", "")
     if s := ok("tests"):
         line("tests", f"{s['passed']} passed, {s['failures'] + s['errors']} failed, {s['skipped']} skipped")
     else:

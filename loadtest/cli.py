@@ -132,8 +132,9 @@ def _unused(ctx: typer.Context) -> str | None:
         return "--turns, --system-prompt-len, --question-len and --think-time shape conversations: add --users"
     if p["users"] and p["endpoint"] is not Endpoint.chat:
         return "--users sends multi-turn chat: add --endpoint chat"
-    closed_loop = p["concurrency"] or p["sweep_concurrency"]
-    if p["duration"] and p["schedule"] is Schedule.burst and not p["sweep_rate"] and not closed_loop:
+    # a sweep and a capacity search pace their own points (one at a time, constant rates): --duration bounds each
+    paced = p["concurrency"] or p["sweep_concurrency"] or p["sweep_rate"] or p["sweep"] or p["capacity"]
+    if p["duration"] and p["schedule"] is Schedule.burst and not paced:
         return "--duration stops later sends, but a burst sends everything at t=0: add --concurrency or a rate"
     return None
 

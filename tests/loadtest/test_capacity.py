@@ -4,6 +4,7 @@ construction, then a real search against a mock server of known capacity over HT
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -93,3 +94,24 @@ def test_the_capacity_of_a_server_of_known_capacity_is_found_over_http():
     assert all(r.capacity is found for r in results) and len(results) == len(found.probes)
     assert 20 * 0.8 <= found.rate <= 20 * 1.1 and found.limited_by in ("throughput", "slo"), found.probes
     assert [r.summary["point_role"] for r in results[:2]] == ["synchronous", "throughput"]
+
+
+def test_duration_bounds_each_paced_probe_of_a_search_from_the_command_line(tmp_path):
+    # one request at a time and the constant rates stop sending after --duration; the burst sends everything at t=0
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    with serve_app(create_mock_app("m", ttft_s=0.05, itl_s=0.025, max_concurrency=2)) as url:
+        result = CliRunner().invoke(cli, [
+            "loadtest", "run", "--target", f"{url}#m", "--requests", "120", "--input-len", "16", "--output-len", "3",
+            "--capacity", "--goodput", "ttft:90", "--precision", "0.2", "--duration", "0.5", "--warmup", "0",
+            "--out", str(tmp_path / "runs"), "--db", str(tmp_path / "store.sqlite"), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    points = json.loads(summary.read_text())
+    roles = [p["point_role"] for p in points]
+    assert roles[:2] == ["synchronous", "throughput"] and len(roles) > 2, roles
+    for p in points:
+        sent = p["completed"] + p["failed"]
+        assert sent == 120 if p["point_role"] == "throughput" else 0 < sent < 60, p
