@@ -76,11 +76,15 @@ GPU_WORKLOADS = {
     "multi_turn": ["--endpoint", "chat", "--users", "64", "--turns", "4", "--system-prompt-len", "1000",
                    "--question-len", "100", "--output-len", "100"],
 }
+GPU_SLOS = ["ttft:500", "tpot:40"]
 # The sweep and the capacity search: the paper's request shape, each point or probe stopped sending after
 # --duration seconds so that one request at a time does not take minutes; SLOs of an interactive chat service.
-GPU_SWEEP = ["--input-len", "512", "--output-len", "128", "--requests", "2048", "--duration", "12", "--warmup", "4"]
-GPU_CONCURRENCY = "1,16,64,256"
-GPU_SLOS = ["ttft:500", "tpot:40"]
+GPU_SHAPE = ["--input-len", "512", "--output-len", "128", "--warmup", "4"]
+GPU_SWEEP = ["--requests", "2048", "--duration", "12", "--sweep-concurrency", "1,16,64,256"]
+# a burst of 384 at most: the search's throughput probe sends every request at t=0
+GPU_CAPACITY = ["--requests", "384", "--duration", "8", "--precision", "0.2", "--capacity",
+                *(a for slo in GPU_SLOS for a in ("--goodput", slo)), "--no-plots"]
+LOADTEST_STEPS = [*GPU_WORKLOADS, "sweep", "capacity"]
 
 
 # ------------------------------------------------------------------------------------- the parts
@@ -169,10 +173,12 @@ def part_loadtest(args) -> dict:
 
     out = Path(args.out)
     deployment = _design_deployment(out, max_model_len=4096)  # the conversations grow to about 1,900 tokens
-    workloads, sweep, concurrency = GPU_WORKLOADS, GPU_SWEEP, GPU_CONCURRENCY
+    workloads, shape, measures = GPU_WORKLOADS, GPU_SHAPE, {"sweep": GPU_SWEEP, "capacity": GPU_CAPACITY}
     if REHEARSAL:
         workloads = {name: _shrunk(options) for name, options in workloads.items()}
-        sweep, concurrency = [*sweep[:4], "--requests", "64", "--duration", "2", "--warmup", "1"], "1,4"
+        shape = ["--input-len", "32", "--output-len", "8", "--warmup", "1"]
+        measures = {"sweep": ["--requests", "64", "--duration", "2", "--sweep-concurrency", "1,4"],
+                    "capacity": ["--requests", "64", "--duration", "2", *GPU_CAPACITY[4:]]}
     port = free_port()
     result: dict = {"deployment": deployment, "workloads": workloads, "runs": {}}
     with serving(burstgate("serve", "--port", str(port), "--config", _config_file(deployment)), port,
@@ -181,18 +187,16 @@ def part_loadtest(args) -> dict:
 
         result["engine"] = next(d for m in httpx.get(f"{url}/info", timeout=10).json()["models"]
                                 for d in m["deployments"])["engine"]
-        for name, options in workloads.items():
+        for name, options in ((n, o) for n, o in workloads.items() if n in args.loadtest_steps):
             kept = loadtest(f"{url}#{MODEL}", out / f"loadtest-{name}", *options, "--seed", "0", "--warmup", "4",
                             log=out / f"loadtest-{name}.log")
             (out / f"loadtest-{name}.json").write_text(json.dumps(kept))  # every request, for the simulator
             result["runs"][name] = {k: kept.get(k) for k in LOADTEST_KEYS}
         target = f"native={url}#{MODEL}"
-        for name, options in {"sweep": ["--sweep-concurrency", concurrency],
-                              "capacity": ["--capacity", *(a for s in GPU_SLOS for a in ("--goodput", s)),
-                                           "--precision", "0.1", "--no-plots"]}.items():
+        for name, options in ((n, o) for n, o in measures.items() if n in args.loadtest_steps):
             folder = out / f"loadtest-{name}"
             with open(out / f"loadtest-{name}.log", "w") as log:
-                subprocess.run(burstgate("loadtest", "run", "--target", target, *sweep, *options, "--seed", "0",
+                subprocess.run(burstgate("loadtest", "run", "--target", target, *shape, *options, "--seed", "0",
                                          "--out", str(folder), "--db", str(folder / "store.sqlite")),
                                check=True, stdout=log, stderr=subprocess.STDOUT)
             (run,) = (f.parent for f in folder.glob("*/summary.json"))
@@ -485,7 +489,7 @@ def run_all(args) -> dict:
 def _run_in_process(name: str, args, limit: float) -> dict:
     out = Path(args.out)
     cmd = [sys.executable, __file__, "--part", name, "--out", str(out), "--requests", str(args.requests),
-           "--peer-requests", str(args.peer_requests)]  # REHEARSAL_ENV is inherited
+           "--peer-requests", str(args.peer_requests), "--loadtest-steps", ",".join(args.loadtest_steps)]  # REHEARSAL_ENV is inherited
     started = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its servers too
@@ -552,11 +556,13 @@ def summary_lines(record: dict) -> list[str]:
     else:
         line("served", "")
     if s := ok("loadtest"):
-        runs = ", ".join(f"{name} {r['output_throughput']:.0f}" for name, r in s["runs"].items())
-        answer = s["capacity"]["answer"]
-        peak = max(p["output_throughput"] for p in s["sweep"]["points"])
-        line("loadtest", f"12.3B tok/s: {runs}; sweep peak {peak:.0f}; capacity at {', '.join(GPU_SLOS)}: "
-                         f"{answer['rate']:.2f} req/s ({answer['limited_by']})")
+        text = "12.3B tok/s: " + ", ".join(f"{name} {r['output_throughput']:.0f}" for name, r in s["runs"].items())
+        if "sweep" in s:
+            text += f"; sweep peak {max(p['output_throughput'] for p in s['sweep']['points']):.0f}"
+        if "capacity" in s:
+            answer = s["capacity"]["answer"]
+            text += f"; capacity at {', '.join(GPU_SLOS)}: {answer['rate']:.2f} req/s ({answer['limited_by']})"
+        line("loadtest", text)
     else:
         line("loadtest", "")
     if s := ok("tests"):
@@ -582,12 +588,15 @@ def main() -> None:
     parser.add_argument("--peer-requests", type=int, default=256, help="burst of the peers' table (0: none)")
     parser.add_argument("--rehearse", action="store_true",
                         help="run every part on this CPU with toy shapes and sizes: checks the script, measures nothing")
+    parser.add_argument("--loadtest-steps", default=",".join(LOADTEST_STEPS),
+                        help=f"the loadtest part's steps, of {', '.join(LOADTEST_STEPS)}")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
     args = parser.parse_args()
     if args.rehearse and not REHEARSAL:  # the parts' processes read it from the environment
         os.environ[REHEARSAL_ENV] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
     args.parts = [p for p in args.parts.split(",") if p]
+    args.loadtest_steps = [s for s in args.loadtest_steps.split(",") if s]
     if unknown := set(args.parts) - set(PARTS):
         parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.part:
