@@ -19,8 +19,9 @@ Parts, in order of the default run:
                (1000 x 512 tokens at t=0, 128 out), beside the roofline of that burst; then the peers' burst
                (``--peer-requests`` of the same shape) for the side-by-side table
   loadtest     the 12.3B model served again, for the load tester's GPU line and the simulator's held-out check:
-               four workloads whose every request is kept (a mixed burst, a burst of the paper's shape, a Poisson
-               run, multi-turn chat; ``sim_fidelity.py --real`` replays them on the H200 profile), a concurrency
+               four workloads whose every request's lengths and send time are kept (a mixed burst, a burst of the
+               paper's shape, a Poisson run, multi-turn chat; ``sim_fidelity.py --gpu`` replays them and the
+               capacity search's probes on the simulator's profile of this GPU), a concurrency
                sweep sampling the server (GPU memory, CPU, RSS, KV usage) with the report's figures, and the
                capacity at an SLO (``--capacity``)
   tests        the CUDA test suite and the kernel tests on the device (greedy parity with transformers,
@@ -190,8 +191,7 @@ def part_loadtest(args) -> dict:
         for name, options in ((n, o) for n, o in workloads.items() if n in args.loadtest_steps):
             kept = loadtest(f"{url}#{MODEL}", out / f"loadtest-{name}", *options, "--seed", "0", "--warmup", "4",
                             log=out / f"loadtest-{name}.log")
-            (out / f"loadtest-{name}.json").write_text(json.dumps(kept))  # every request, for the simulator
-            result["runs"][name] = {k: kept.get(k) for k in LOADTEST_KEYS}
+            result["runs"][name] = replayable(kept)
         target = f"native={url}#{MODEL}"
         for name, options in ((n, o) for n, o in measures.items() if n in args.loadtest_steps):
             folder = out / f"loadtest-{name}"
@@ -206,6 +206,7 @@ def part_loadtest(args) -> dict:
                     shutil.copy(png, out / f"loadtest-{png.name}")
             else:  # every probe's details carry the search's answer
                 result[name]["answer"] = json.loads((run / "details-0.json").read_text())["capacity"]
+                result[name]["probes"] = [replayable(json.loads(f.read_text())) for f in sorted(run.glob("vllm/*.json"))]
     return result
 
 
@@ -405,6 +406,13 @@ def burst_roofline(config: Path, engine: dict, device: dict, requests: int, inpu
 
 LOADTEST_KEYS = ("completed", "failed", "duration", "output_throughput", "request_throughput", "median_ttft_ms",
                  "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
+
+
+def replayable(result: dict) -> dict:
+    """A load test's result (vLLM's schema) cut to its summary and what the simulator replays: each request's
+    prompt and output length and when it was sent."""
+    return {**{k: result.get(k) for k in LOADTEST_KEYS},
+            **{k: [round(x, 6) for x in result[k]] for k in ("input_lens", "output_lens", "start_times")}}
 
 
 def _loadtest(url: str, out: Path, name: str, *options: str) -> dict:

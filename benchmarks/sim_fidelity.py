@@ -9,6 +9,11 @@
    p99, TPOT p50 within 15%.
    Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:
    calibrated once on a lone, unloaded simulated replica served here, ``frontend_s``) and with an ideal one.
+   With ``--gpu FILE`` (a result of ``gpu_check.py``'s loadtest part, e.g. benchmarks/results/gpu_loadtest_h200.json),
+   the same comparison against the 12.3B model served on a GPU: each stored run and capacity probe replayed on that
+   GPU's profile (fitted on the step grid of ``gpu_check.py``'s steps part, so these are held out too), and the
+   paper's burst of the served part (a burst needs no stored requests); the ideal front end only, for the device's
+   is not this machine's.
 2. ``agreement``: ``--replicas`` simulated replicas of the design's 12.3B model on the H100 profile served in real
    time behind one gateway (least-outstanding routing) and loaded over HTTP, against the same fleet on the virtual
    clock on the same requests. Goal: within 10%.
@@ -107,6 +112,37 @@ def fidelity(profile: str, workloads: list[str], frontend_s: float, out: Path) -
     return rows
 
 
+def gpu_fidelity(path: Path, profile: str, served: Path | None) -> dict:
+    """Each run and capacity probe of a GPU loadtest result replayed on ``profile``; with ``served`` (a gpu_check
+    result with the served part), the paper's burst too."""
+    from backends.sim.virtual import burst_workload
+
+    record = json.loads(path.read_text())
+    deployment = record["deployment"]
+    engine = {"model_path": DESIGN, "simulate": {"profile": profile},
+              **{k: deployment[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}}
+    rows = {}
+    for name, run in record["runs"].items():
+        if name == "multi_turn":
+            options = record["workloads"][name]
+            users, turns, output_len = (int(options[options.index(o) + 1]) for o in ("--users", "--turns", "--output-len"))
+            requests = conversations(run, users, turns, output_len)
+        else:
+            requests = replayed(run)
+        rows[name] = compare(run, simulate(engine, 1, requests))
+    for probe, run in zip(record["capacity"]["answer"]["probes"], record["capacity"]["probes"]):
+        name = f"capacity {probe['role']}" + (f" {probe['rate']:.1f} req/s" if probe["rate"] else "")
+        rows[name] = compare(run, simulate(engine, 1, replayed(run)))
+    if served is not None:
+        part = json.loads(served.read_text())["parts"]["served"]["result"]
+        paper = part["paper"]
+        engine = {**engine, **{k: part["deployment"][k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}}
+        rows["paper burst (served part)"] = compare(paper, simulate(engine, 1, burst_workload(1000, 512, 128, [0.0] * 1000)))
+    for name, row in rows.items():
+        print(f"{name:34s}", json.dumps({m: round(v["ratio"], 3) for m, v in row.items()}), flush=True)
+    return rows
+
+
 def agreement(replicas: int, rate: float, requests: int, frontend_s: float, out: Path) -> dict:
     engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}, "max_num_seqs": 64}
     deployments = [{"kind": "native", "name": f"replica-{i}", **engine} for i in range(replicas)]
@@ -128,7 +164,12 @@ def _ratios(row: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="this machine's CPU profile (burstgate sim fit --native)")
+    ap.add_argument("--profile", required=True, help="this machine's CPU profile (burstgate sim fit --native); "
+                                                      "with --gpu, that GPU's (e.g. h200)")
+    ap.add_argument("--gpu", type=Path, metavar="FILE", help="compare with this GPU loadtest result instead (no server "
+                                                             "is started here)")
+    ap.add_argument("--gpu-served", type=Path, metavar="FILE", help="with --gpu: a gpu_check result whose served "
+                                                                    "part's paper burst is compared too")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
     ap.add_argument("--replicas", type=int, default=4, help="fleet size of the real-time/virtual agreement")
     ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
@@ -136,8 +177,14 @@ def main() -> None:
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
     record = run_record()
+    if args.gpu:
+        record["gpu"] = {"real": str(args.gpu), "profile": args.profile,
+                         "fidelity": gpu_fidelity(args.gpu, args.profile, args.gpu_served)}
+        if args.save:
+            args.save.write_text(json.dumps(record, indent=1) + "\n")
+        return
+    out = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
     record["frontend_s"] = frontend_s = calibrate_frontend(out)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
     if "fidelity" not in args.skip:

@@ -385,14 +385,17 @@ def _cuda_engine(name: str, data: dict) -> list[str]:
 def _fidelity(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/sim_fidelity.py":
         return []
+    gpu = data.get("gpu")
+    rows = gpu["fidelity"] if gpu else {w: kinds["with_frontend"] for w, kinds in data["fidelity"].items()}
     lines = []
-    for workload, kinds in data["fidelity"].items():
-        m = kinds["with_frontend"]
+    for workload, m in rows.items():
         cells = [f"{m[k]['ratio']:.2f}x" if k in m else "-"
                  for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    against = (f"the 12.3B model served on the GPU ({gpu['real']}), the simulator's {gpu['profile']} profile, an "
+               "ideal front end" if gpu else "the simulator's fitted CPU profile")
     return [*_table(name, data, ["Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"], lines),
-            "Simulated / real, same workload, the simulator's fitted CPU profile.", ""]
+            f"Simulated / real, same requests: {against}.", ""]
 
 
 def _pipeline(name: str, data: dict) -> list[str]:
