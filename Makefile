@@ -117,13 +117,14 @@ test-cuda:
 
 # A lent GPU machine runs one prepared script (benchmarks/gpu_check.py): `make gpu-carry` here puts what its
 # image lacks into .gpu/ (wheels, SmolLM2 cut to fit the carry limit); the device tool carries .gpu and runs
-# `make gpu-check OUT=DIR` there (the image's python3, no venv). `make gpu-rehearse` runs it all here on the CPU.
-GPU_OUT ?= results/gpu_check
+# `make gpu-check` there (the image's python3, no venv; one archive of the results lands in its $OUT). `make gpu-rehearse` runs it all here on the CPU.
+GPU_OUT ?= /tmp/gpu_check
+GPU_ARCHIVE ?= $(if $(OUT),$(OUT)/gpu_check.tgz,$(GPU_OUT).tgz)  # the device tool's $OUT brings back 8 files at most
 gpu-carry: install-dev
 	$(PY) benchmarks/gpu_carry.py
 
 gpu-check:
-	bash benchmarks/gpu_check.sh --out $(GPU_OUT)
+	bash benchmarks/gpu_check.sh --out $(GPU_OUT) --archive $(GPU_ARCHIVE)
 
 gpu-rehearse: install-dev
 	$(PY) benchmarks/gpu_check.py --rehearse --out $(GPU_OUT)-rehearsal --requests 8 --peer-requests 4 --budget-s 900

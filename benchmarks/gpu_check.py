@@ -31,9 +31,10 @@ Parts, in order of the default run:
   mii          DeepSpeed-MII (FastGen) behind its REST server through burstgate's ``mii`` kind (needs
                ``deepspeed-kernels`` and ``deepspeed-mii`` carried: ``gpu_carry.py --mii``)
 
-On the device (after ``make gpu-carry`` here; the tool carries ``.gpu``):
-    bash benchmarks/gpu_check.sh --out DIR             # = make gpu-check GPU_OUT=DIR
-    bash benchmarks/gpu_check.sh --out DIR --parts smollm2,tests
+On the device (after ``make gpu-carry`` here; the tool carries ``.gpu`` and brings back at most 8 files of a
+call's $OUT, so the run leaves its folder elsewhere and one archive there):
+    bash benchmarks/gpu_check.sh --out /tmp/gc --archive $OUT/gpu_check.tgz     # = make gpu-check
+    bash benchmarks/gpu_check.sh --out /tmp/gc --archive $OUT/gpu_check.tgz --parts smollm2,tests
 Here, to check the script itself: ``make gpu-rehearse``.
 """
 
@@ -590,6 +591,8 @@ def _pct(x: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "results" / "gpu_check"), help="folder for results and logs")
+    parser.add_argument("--archive", type=Path, help="also pack --out into this .tgz at the end (the device tool "
+                                                     "brings back few files, and one archive)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--budget-s", type=float, default=560, help="seconds for all parts together")
     parser.add_argument("--requests", type=int, default=256, help="SmolLM2 burst size")
@@ -612,6 +615,8 @@ def main() -> None:
         return
     record = run_all(args)
     print("\n".join(summary_lines(record)))
+    if args.archive:  # everything but the result stores, whatever parts failed
+        subprocess.run(["tar", "czf", str(args.archive), "--exclude=*.sqlite", "-C", args.out, "."], check=True)
 
 
 if __name__ == "__main__":
