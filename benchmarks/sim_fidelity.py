@@ -20,6 +20,8 @@
 
     python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-epyc-2c.json \\
         --save benchmarks/results/sim_fidelity.json
+    python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-zen4-2c.json \\
+        --profile backends/sim/profiles/cpu-zen4-2c-served.json --skip agreement    # two profiles, the same runs
 """
 
 from __future__ import annotations
@@ -98,17 +100,19 @@ def calibrate_frontend(out: Path) -> float:
     return (result["median_ttft_ms"] - simulated["median_ttft_ms"]) / 1e3
 
 
-def fidelity(profile: str, workloads: list[str], frontend_s: float, out: Path) -> dict:
-    rows = {}
+def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path) -> dict[str, dict]:
+    """Per profile, per workload: simulated against real, the same requests (one real run for every profile)."""
+    rows: dict[str, dict] = {profile: {} for profile in profiles}
     with contextlib.ExitStack() as stack:
         url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
         for name in workloads:
             result = loadtest(f"{url}#{MODEL}", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
             requests = conversations(result, 4, 3, 32) if name == "multi_turn" else replayed(result)
-            engine = {"simulate": {"profile": profile}}
-            rows[name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
-                          "ideal_frontend": compare(result, simulate(engine, 1, requests))}
-            print(name, _ratios(rows[name]), flush=True)
+            for profile in profiles:
+                engine = {"simulate": {"profile": profile}}
+                rows[profile][name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
+                                       "ideal_frontend": compare(result, simulate(engine, 1, requests))}
+                print(name, profile, _ratios(rows[profile][name]), flush=True)
     return rows
 
 
@@ -164,8 +168,9 @@ def _ratios(row: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="this machine's CPU profile (burstgate sim fit --native); "
-                                                      "with --gpu, that GPU's (e.g. h200)")
+    ap.add_argument("--profile", action="append", required=True,
+                    help="this machine's CPU profile (burstgate sim fit); repeat to compare several on the same real "
+                         "runs (the first is the file's `fidelity`); with --gpu, that GPU's (e.g. h200)")
     ap.add_argument("--gpu", type=Path, metavar="FILE", help="compare with this GPU loadtest result instead (no server "
                                                              "is started here)")
     ap.add_argument("--gpu-served", type=Path, metavar="FILE", help="with --gpu: a gpu_check result whose served "
@@ -179,8 +184,8 @@ def main() -> None:
     args = ap.parse_args()
     record = run_record()
     if args.gpu:
-        record["gpu"] = {"real": str(args.gpu), "profile": args.profile,
-                         "fidelity": gpu_fidelity(args.gpu, args.profile, args.gpu_served)}
+        record["gpu"] = {"real": str(args.gpu), "profile": args.profile[0],
+                         "fidelity": gpu_fidelity(args.gpu, args.profile[0], args.gpu_served)}
         if args.save:
             args.save.write_text(json.dumps(record, indent=1) + "\n")
         return
@@ -188,7 +193,10 @@ def main() -> None:
     record["frontend_s"] = frontend_s = calibrate_frontend(out)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
     if "fidelity" not in args.skip:
-        record["fidelity"] = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out)
+        by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out)
+        record["profile"], record["fidelity"] = args.profile[0], by_profile[args.profile[0]]
+        if len(args.profile) > 1:
+            record["fidelity_by_profile"] = by_profile
     if "agreement" not in args.skip:
         record["agreement"] = {"replicas": args.replicas, "rate": args.rate, "requests": args.requests,
                                **agreement(args.replicas, args.rate, args.requests, frontend_s, out)}

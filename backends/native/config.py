@@ -115,6 +115,9 @@ class EngineConfig(BaseModel):
     tool_parser: ToolParserName | None = None
     chat_template: str | None = None  # a Jinja template or a file holding one, instead of the model's
     simulate: SimulationConfig | None = None  # a simulated replica: no weights loaded, no model run (backends/sim)
+    # a file the engine writes each step's batch and duration to while it serves (step_trace.py), for
+    # `burstgate sim fit --from`: a simulator profile fitted on the steps served, not timed in-process
+    step_trace: str | None = None
 
     @field_validator("pipeline_layer_partition")
     @classmethod
@@ -128,6 +131,13 @@ class EngineConfig(BaseModel):
         if self.simulate is not None and (self.pipeline_parallel_size > 1 or self.distributed_executor_backend != "mp"):
             raise ValueError("a simulated replica runs no ranks: it models tensor parallelism (tensor_parallel_size), "
                              "not pipeline_parallel_size or distributed_executor_backend")
+        return self
+
+    @model_validator(mode="after")
+    def _a_step_trace_times_one_batch_a_step(self) -> EngineConfig:
+        if self.step_trace is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("step_trace times one batch a step: not with pipeline_parallel_size > 1, where "
+                             "several are in flight")
         return self
 
     @property

@@ -34,6 +34,7 @@ from backends.native.process import prepare_process
 from backends.native.sampler import Sampled, ranked, sample, sample_tokens, token_logprob, token_logprobs
 from backends.native.scheduler import ScheduledStep, Scheduler, Update
 from backends.native.sequence import Sequence
+from backends.native.step_trace import StepTrace, open_trace
 from backends.native.structured_output import GrammarCompiler, new_matcher
 from backends.native.transfers import PendingPicks
 from backends.native.weights import default_model_path, open_checkpoint
@@ -42,6 +43,7 @@ from backends.stopping import StopChecker
 from backends.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
+    from backends.native.batch import Batch
     from backends.native.workers import ParallelRunner
 
 log = logging.getLogger(__name__)
@@ -108,8 +110,12 @@ class LLMEngine:
                  self.runner.kv_dtype,
                  self.max_model_len, self.runner.kernels.describe(),
                  (", CUDA graphs" if self.runner.graphs else "") + (", async scheduling" if self.overlap_steps else ""))
+        self._launched: Batch | None = None  # the batch the current step() launched, for the step trace
+        self.step_trace: StepTrace | None = None  # opened after the warm-up: it traces served steps only
         if config.warmup:
             self.warm_up()
+        if config.step_trace:
+            self.step_trace = open_trace(config.step_trace, self)
         # The thread that built the engine may never step it (AsyncEngine steps in its own): its parked
         # OpenMP threads would make every step's parallel regions sleep and wake (openmp.py).
         release_thread_pool()
@@ -216,6 +222,8 @@ class LLMEngine:
         self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.step_trace is not None:
+            self.step_trace.close()
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -223,13 +231,18 @@ class LLMEngine:
         batch is launched and the previous one's tokens come back: a step's outputs arrive with the next call,
         the host's bookkeeping overlapping the device's work. Requests that need each token on the host before
         the next step is scheduled (``_overlappable``) run synchronously, the step in flight finished first."""
+        started = time.perf_counter()
+        overlapped = False
         if self.runner.depth > 1:
             outputs = self._pipelined_step()
         elif self.overlap_steps and self._overlappable():
-            outputs = self._launch_step()
+            outputs, overlapped = self._launch_step(), True
         else:
             outputs = self._finish_in_flight() + self._sync_step()
         self._publish_kv_events()
+        if self.step_trace is not None:
+            self.step_trace.step(self._launched, started, time.perf_counter(), overlapped, self.has_unfinished())
+        self._launched = None
         return outputs
 
     def _publish_kv_events(self) -> None:
@@ -242,6 +255,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
+        self._launched = scheduled.batch
         logits = self.runner.execute(scheduled.batch)
         self._count_prompt_tokens(scheduled)
         return self._sampled(scheduled, logits)
@@ -293,6 +307,7 @@ class LLMEngine:
         if scheduled is None:
             return self._finish_in_flight()
         previous = self._in_flight[1].device if self._in_flight is not None else None
+        self._launched = scheduled.batch
         runner = cast(ModelRunner, self.runner)  # async scheduling: one process (EngineConfig.overlaps_steps)
         logits = runner.execute(scheduled.batch, previous)
         self._count_prompt_tokens(scheduled)

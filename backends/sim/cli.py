@@ -47,7 +47,8 @@ def fit(
                                             "(its datasheet peaks; the efficiencies are fitted).")] = None,
     measured: Annotated[list[Path] | None, typer.Option("--from", exists=True, dir_okay=False, metavar="FILE",
                                                  help="Measured steps: a gpu_check_*.json, a cuda_engine_*.json, "
-                                                 "or steps saved by --native --save-steps (repeatable).")] = None,
+                                                 "steps saved by --native --save-steps, or a served engine's "
+                                                 "step_trace (repeatable).")] = None,
     compute_from: Annotated[str | None, typer.Option(metavar="PROFILE", help="Take the compute efficiency and launch "
                                                      "cost from this profile (the same chip and engine measured "
                                                      "elsewhere) and fit the rest: for data with no prefill step.")] = None,
@@ -89,7 +90,7 @@ def fit(
             if len(measured) != 1:
                 raise typer.BadParameter("a CPU profile is fitted on one saved-steps file (or give --gpu)",
                                          param_hint="--from")
-            steps = json.loads(measured[0].read_text())
+            steps = fitting.load_steps(measured[0])
         base = fitting.cpu_base_profile(name or "cpu", steps)
         points = fitting.points_from_steps(steps)
     from backends.sim.profile import load_profile

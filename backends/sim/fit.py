@@ -266,13 +266,24 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
     return [StepPoint(cost, StepWork.of(q, c, rows), seconds) for q, c, rows, seconds in steps["steps"]]
 
 
+def load_steps(path: Path | str) -> dict:
+    """A JSON file of measured steps, or a step trace of the engine served (JSON lines: backends/native/step_trace.py)
+    as the same record."""
+    from backends.native.step_trace import load_trace
+
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError:
+        return load_trace(path)
+
+
 def points_from_file(path: Path | str) -> list[StepPoint]:
     """Measured steps from any of the files ``burstgate sim fit --from`` reads."""
-    data = json.loads(Path(path).read_text())
+    data = load_steps(path)
     if "parts" in data:
         return points_from_gpu_check(path)
     if "steps" in data:
         return points_from_steps(data)
     if "design_12b" in data or "smollm2_burst" in data:
         return points_from_cuda_engine([path])
-    raise ValueError(f"{path}: not a gpu_check, cuda_engine or saved-steps file")
+    raise ValueError(f"{path}: not a gpu_check, cuda_engine, saved-steps or step-trace file")

@@ -1,0 +1,53 @@
+"""The native engine's steps timed while it serves on this machine: the data of the CPU profile fitted on served
+steps (``burstgate sim fit --from`` the trace this writes).
+
+``burstgate serve`` (SmolLM2, the CPU defaults, ``step_trace`` on) loaded by ``burstgate loadtest run`` with
+workloads of the kinds the simulator's fidelity check runs (bursts, a Poisson run, conversations) but other
+shapes, sizes and seeds, so that ``sim_fidelity.py``'s workloads stay held out of the fit:
+
+    python benchmarks/served_steps.py --save benchmarks/results/sim_cpu_served_steps_zen4.jsonl
+    burstgate sim fit --from benchmarks/results/sim_cpu_served_steps_zen4.jsonl --name cpu-zen4-2c-served \\
+        --out backends/sim/profiles/cpu-zen4-2c-served.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import loadtest
+from served_burst import MODEL, serve_deployment
+
+# burstgate's sim fit --native bursts (backends/sim/fit.py CPU_BURSTS) as served bursts, then arrivals
+WORKLOADS = {
+    **{f"burst_{n}x{i}_{o}": ["--requests", str(n), "--input-len", str(i), "--output-len", str(o)]
+       for n, i, o in [(1, 256, 32), (4, 512, 32), (16, 256, 32), (32, 128, 48), (8, 1024, 16), (64, 64, 32)]},
+    "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
+    "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
+                   "64", "--output-len", "24"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--save", type=Path, required=True, help="where the trace goes (JSON lines)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="served-steps-"))
+    trace = work / "steps.jsonl"
+    with contextlib.ExitStack() as stack:
+        url = serve_deployment(stack, {"kind": "native", "step_trace": str(trace)})
+        for name, options in WORKLOADS.items():
+            result = loadtest(f"{url}#{MODEL}", work / name, *options, "--seed", "7", "--warmup", "1",
+                              log=work / f"{name}.log")
+            print(f"{name:24s} {result['output_throughput']:7.1f} tok/s", flush=True)
+    shutil.copy(trace, args.save)  # the server closed the trace as it stopped
+    print(f"{sum(1 for _ in args.save.open()) - 1} steps -> {args.save}")
+
+
+if __name__ == "__main__":
+    main()
