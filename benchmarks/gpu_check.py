@@ -23,7 +23,8 @@ Parts, in order of the default run:
                paper's shape, a Poisson run, multi-turn chat; ``sim_fidelity.py --gpu`` replays them and the
                capacity search's probes on the simulator's profile of this GPU), a concurrency
                sweep sampling the server (GPU memory, CPU, RSS, KV usage) with the report's figures, and the
-               capacity at an SLO (``--capacity``)
+               capacity at an SLO (``--capacity``); the engine's step trace of it all (``loadtest-steps.jsonl``),
+               the served steps a GPU profile can be fitted on
   tests        the CUDA test suite and the kernel tests on the device (greedy parity with transformers,
                prefix caching, chunked prefill, preemption, graphs vs eager)
   deepspeed    DeepSpeed-Inference (kernel injection where the model is not GQA; ops prebuilt for sm_90) behind burstgate's
@@ -175,6 +176,7 @@ def part_loadtest(args) -> dict:
 
     out = Path(args.out)
     deployment = _design_deployment(out, max_model_len=4096)  # the conversations grow to about 1,900 tokens
+    deployment["step_trace"] = str(out / "loadtest-steps.jsonl")  # served steps: `burstgate sim fit --from` it
     workloads, shape, measures = GPU_WORKLOADS, GPU_SHAPE, {"sweep": GPU_SWEEP, "capacity": GPU_CAPACITY}
     if REHEARSAL:
         workloads = {name: _shrunk(options) for name, options in workloads.items()}
