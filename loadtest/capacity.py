@@ -59,14 +59,18 @@ def throughput(base: RunConfig) -> RunConfig:
 
 
 def at_rate(base: RunConfig, rate: float) -> RunConfig:
-    """A point at ``rate``: constant arrivals (guidellm's sweep), or the base's poisson or gamma schedule."""
-    schedule = base.schedule if base.schedule in (Schedule.poisson, Schedule.gamma) else Schedule.constant
+    """A point at ``rate``: constant arrivals (guidellm's sweep), the base's poisson or gamma schedule, or its
+    trace replayed with its times scaled to that mean rate."""
+    kept = (Schedule.poisson, Schedule.gamma, Schedule.trace)
+    schedule = base.schedule if base.schedule in kept else Schedule.constant
     return replace(base, schedule=schedule, rate=rate, concurrency=None)
 
 
 def arrivals(base: RunConfig) -> str:
     """How the requests of ``at_rate(base, ...)`` arrive, in words."""
     cfg = at_rate(base, 1.0)
+    if cfg.schedule is Schedule.trace:
+        return "trace, time-scaled"
     return cfg.schedule.value + (f" burstiness={cfg.burstiness:g}" if cfg.schedule is Schedule.gamma else "")
 
 

@@ -111,8 +111,10 @@ def _unused(ctx: typer.Context) -> str | None:
         if p["sweep"] and p["capacity"]:
             return "--sweep and --capacity each choose the rates: give one"
         if named := [f"--{n.replace('_', '-')}" for n in ("rate", "concurrency", "sweep_rate", "sweep_concurrency",
-                                                          "users", "trace", "preset") if given(ctx, n)]:
+                                                          "users", "preset") if given(ctx, n)]:
             return f"{', '.join(named)}: --sweep and --capacity choose the rates of independent requests themselves"
+        if given(ctx, "time_scale"):
+            return "--time-scale: --sweep and --capacity scale a --trace's times to each rate they try"
         if p["capacity"] and not p["goodput"]:
             return "--capacity searches the highest rate meeting an SLO: add --goodput ttft:MS (or tpot:MS, e2el:MS)"
     if not p["capacity"] and (given(ctx, "attainment") or given(ctx, "precision")):

@@ -23,7 +23,7 @@ from loadtest.capacity import Capacity, search, sweep
 from loadtest.client import Target
 from loadtest.metrics import RequestRecord
 from loadtest.runner import RunConfig, TargetResult, run_target
-from loadtest.schedule import Schedule
+from loadtest.schedule import Schedule, offered_rate
 from loadtest.trace import MOONCAKE_BLOCK_SIZE, read_trace, trace_specs
 from loadtest.trace import describe as describe_trace
 from loadtest.workload import (
@@ -78,9 +78,12 @@ class Workload:
             return self._trace[0].prompt is None
         return self.dataset is None
 
-    def build(self, tokenizer, seed: int) -> list[RequestSpec]:
+    def build(self, tokenizer, seed: int, trace_rate: float | None = None) -> list[RequestSpec]:
+        """The requests of one point; ``trace_rate``: a trace's times scaled to this mean rate (a sweep's or a
+        capacity search's point), else by ``time_scale``."""
         if self.trace is not None:
-            return trace_specs(self._trace, tokenizer, self.trace_block_size, seed, self.time_scale)
+            scale = self.time_scale if trace_rate is None else self._own_rate() / trace_rate
+            return trace_specs(self._trace, tokenizer, self.trace_block_size, seed, scale)
         if self.conversational:
             output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
             return conversations(tokenizer, self.users, self.turns, self.system_prompt_len, self.question_len,
@@ -92,6 +95,13 @@ class Workload:
             return from_file(self.dataset, tokenizer, self.requests, fixed, seed)
         return synthetic(tokenizer, self.requests, self.input_len, self.output_len, seed, self.prefix_len,
                          self.num_prefixes)
+
+    def _own_rate(self) -> float:
+        """The trace's mean rate at its own times."""
+        rate = offered_rate([r.at_s for r in self._trace])
+        if rate is None:
+            raise ValueError("every request of the trace is due at once: it has no rate to scale")
+        return rate
 
     def warmup(self, tokenizer, seed: int, n: int, measured: list[RequestSpec]) -> list[RequestSpec]:
         """``n`` other prompts of the measured shape (for a dataset: its median lengths)."""
@@ -192,7 +202,7 @@ async def _measure_target(session: Session, index: int, target: Target, tokenize
 async def _measure(session: Session, target: Target, tokenizer, counter: PromptCounter, cfg: RunConfig,
                    warmup_seed: int, role: str, progress: Progress | None) -> TargetResult:
     """One point: fresh prompts fitted to the target's counts, a warm-up, the timed run, its settings noted."""
-    specs = session.workload.build(tokenizer, cfg.seed)
+    specs = session.workload.build(tokenizer, cfg.seed, cfg.rate if cfg.schedule is Schedule.trace else None)
     if not session.workload.conversational:  # a turn's length is its history's: the server counts it
         specs = await fit(specs, counter, exact=session.workload.exact_lengths)
     warm = session.workload.warmup(tokenizer, warmup_seed, session.warmup, specs)

@@ -115,3 +115,40 @@ def test_duration_bounds_each_paced_probe_of_a_search_from_the_command_line(tmp_
     for p in points:
         sent = p["completed"] + p["failed"]
         assert sent == 120 if p["point_role"] == "throughput" else 0 < sent < 60, p
+
+
+def test_the_capacity_of_a_trace_is_its_highest_rate_meeting_the_slo_time_scaled(tmp_path):
+    # a trace of 30 requests 0.5 s apart (2 req/s at its own times) against the server of the test above
+    # (capacity 20 req/s): each probe replays the trace with its times scaled to the probe's rate
+    from loadtest.schedule import Schedule
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 500 * i, "input_length": 16, "output_length": 3}) + "\n"
+                             for i in range(30)))
+    workload = Workload(0, 1, 1, trace=trace)
+    base = RunConfig(schedule=Schedule.trace, request=RequestOptions(ignore_eos=True))
+    search_for = CapacitySearch({"ttft": 90}, attainment=0.9, precision=0.1)
+    with serve_app(create_mock_app("m", ttft_s=0.05, itl_s=0.025, max_concurrency=2)) as url:
+        session = Session([Target(url, "m")], workload, [base], warmup=0, seed=0, capacity=search_for)
+        results = asyncio.run(run_session(session))
+    found = results[0].capacity
+    assert found.arrivals == "trace, time-scaled" and found.limited_by in ("throughput", "slo"), found.probes
+    assert 20 * 0.8 <= found.rate <= 20 * 1.1, found.probes
+    for result in results[2:]:  # the rate probes: the trace's 0.5 s gaps scaled so that, as a constant schedule
+        # at the probe's rate, its 30 requests take 30 / rate (the first at 0 here, one gap in there)
+        sends = sorted(r.target_send for r in result.records)
+        assert sends[-1] - sends[0] == pytest.approx(30 / result.config.rate, rel=0.02)
+        assert sends[1] - sends[0] == pytest.approx((sends[-1] - sends[0]) / 29, rel=0.05)
+        assert result.summary["completed"] == 30
+
+
+def test_a_search_scales_a_trace_itself(tmp_path):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 2}\n')
+    result = CliRunner().invoke(cli, ["loadtest", "run", "--target", "http://127.0.0.1:9#m", "--trace", str(trace),
+                                      "--capacity", "--goodput", "ttft:90", "--time-scale", "0.5"])
+    assert result.exit_code == 2 and "--time-scale" in result.output, result.output
