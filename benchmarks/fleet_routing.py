@@ -5,8 +5,8 @@ with one CPU thread, pinned round-robin to the machine's cores (4 on 2 cores: tw
 events; each replica's own /metrics gives its prefix-cache hit counters and request count.
 Routers: a burstgate gateway per policy (round_robin, least_outstanding, prefix_affinity, cache_aware kept from
 its own decisions, cache_aware following the replicas' KV events), and where installed (``make peers-routers``)
-SGLang's router (``--policy cache_aware``) and vLLM's router (``--policy cache_aware``) in front of the same
-replicas.
+SGLang's router (``--policy cache_aware``) and vLLM's router (``--policy cache_aware``, and ``--policy kv_aware``
+reading the replicas' KV events: ``vllm-router-kv``) in front of the same replicas.
 Workloads (burstgate's load tester, one client for all, chat completions: SGLang's router serves no other route in
 its OpenAI mode): multi-turn (users x turns, each turn carrying the whole history), shared-prefix (groups of
 prompts behind a few long shared prefixes) and random prompts.
@@ -111,14 +111,20 @@ def gateway_command(target: str, replicas: list[tuple[str, str]], port: int, blo
     return burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
 
 
-def router_command(kind: str, replicas: list[tuple[str, str]], port: int) -> list[str]:
+def router_command(kind: str, replicas: list[tuple[str, str]], port: int, block_size: int) -> list[str]:
+    """The field's router ``kind`` in front of ``replicas``: SGLang's and vLLM's ``cache_aware`` (an approximate
+    tree of their own routing), or vLLM's ``kv_aware`` (``vllm-router-kv``: an index of the replicas' KV events)."""
     urls = [url for url, _ in replicas]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), "--worker-urls", *urls]
     if kind == "sglang-router":
         return [str(ROUTERS_PYTHON), "-m", "sglang_router.launch_router", "--backend", "openai", "--policy",
-                "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
-                "--worker-urls", *urls]
-    return [str(ROUTERS_PYTHON.parent / "vllm-router"), "--policy", "cache_aware", "--host", "127.0.0.1", "--port",
-            str(port), "--prometheus-port", str(free_port()), "--worker-urls", *urls]
+                "cache_aware", *common]
+    vllm_router = str(ROUTERS_PYTHON.parent / "vllm-router")
+    if kind == "vllm-router-kv":
+        sources = [a for url, events in replicas for a in ("--kv-event-source", f"{url}={events}")]
+        return [vllm_router, "--policy", "kv_aware", *sources, "--kv-event-block-size", str(block_size),
+                "--kv-event-model", MODEL, *common]
+    return [vllm_router, "--policy", "cache_aware", *common]
 
 
 def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]:
@@ -158,13 +164,16 @@ def main() -> None:
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
     ap.add_argument("--policy", action="append", choices=POLICIES, help="gateway targets (default: all)")
     ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
+    ap.add_argument("--skip-peer", action="append", default=[], choices=["sglang-router", "vllm-router", "vllm-router-kv"],
+                    help="leave this one of the field's routers out")
     ap.add_argument("--simulate", metavar="PROFILE", help="simulated replicas of the 12.3B model on this device "
                     "profile (backends/sim), served in real time, instead of SmolLM2 on this CPU")
     ap.add_argument("--engine", choices=("native", "vllm"), default="native", help="what each replica runs")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     workloads, policies = args.workload or list(WORKLOADS), args.policy or POLICIES
-    peers = [] if args.no_peers or not ROUTERS_PYTHON.exists() else ["sglang-router", "vllm-router"]
+    peers = [] if args.no_peers or not ROUTERS_PYTHON.exists() else ["sglang-router", "vllm-router", "vllm-router-kv"]
+    peers = [p for p in peers if p not in args.skip_peer]
     logs = Path(tempfile.mkdtemp(prefix="fleet-routing-"))
     runs: list[dict] = []
     with contextlib.ExitStack() as stack:
@@ -178,7 +187,8 @@ def main() -> None:
         for peer in peers:
             port = free_port()
             try:
-                targets[peer] = stack.enter_context(serving(router_command(peer, replicas, port), port,
+                command = router_command(peer, replicas, port, BLOCK_SIZE[args.engine])
+                targets[peer] = stack.enter_context(serving(command, port,
                                                             log=logs / f"{peer}.log", timeout_s=60))
             except (RuntimeError, TimeoutError) as exc:  # recorded: the table says why the row is missing
                 runs.append({"target": peer, "error": f"{exc} (log: {logs / peer}.log)"})
