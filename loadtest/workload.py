@@ -204,9 +204,10 @@ class ServerCounter:
     async def _post(self, path: str, body: dict) -> dict:
         try:
             return await self._post_once(path, body)
-        except aiohttp.ServerDisconnectedError:
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             # The pooled connection was closed by the server unseen (its keep-alive ran out while this loop was
-            # busy building prompts): once more, on a fresh one; /tokenize and /detokenize change nothing.
+            # busy building prompts), found as the request went out or as its answer was awaited: once more, on a
+            # fresh one; /tokenize and /detokenize change nothing.
             return await self._post_once(path, body)
 
     async def _post_once(self, path: str, body: dict) -> dict:

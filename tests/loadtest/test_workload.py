@@ -130,3 +130,33 @@ def test_the_server_counter_survives_a_connection_the_server_closed_while_the_cl
 
         first, again, ids = asyncio.run(main())
     assert first == again and ids == smollm2_tokenizer.encode("Hello there", add_special_tokens=False)
+
+
+def test_the_server_counter_survives_a_connection_reset_as_its_request_goes_out():
+    """The other side of the same race: the server's close arrives as the request is written (a reset), seen as
+    aiohttp's ClientOSError rather than a disconnect; /tokenize changes nothing, so it goes again once."""
+    import socket
+    import struct
+
+    async def main():
+        connections = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(writer)
+            if len(connections) == 1:  # reset at once, as a server dropping a connection it timed out does
+                writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                return
+            await reader.readuntil(b"\r\n\r\n")
+            body = json.dumps({"count": 5}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server, aiohttp.ClientSession() as http:
+            return await ServerCounter(http, url, "m", chat=False).count("x " * 50_000), len(connections)
+
+    assert asyncio.run(main()) == (5, 2)
