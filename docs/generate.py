@@ -386,16 +386,24 @@ def _fidelity(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/sim_fidelity.py":
         return []
     gpu = data.get("gpu")
-    rows = gpu["fidelity"] if gpu else {w: kinds["with_frontend"] for w, kinds in data["fidelity"].items()}
+    if gpu:
+        tables = {gpu["profile"]: gpu["fidelity"]}
+    else:  # one table per profile compared on the same real runs
+        by_profile = data.get("fidelity_by_profile") or {data.get("profile", "the CPU profile"): data["fidelity"]}
+        tables = {profile: {w: kinds["with_frontend"] for w, kinds in rows.items()}
+                  for profile, rows in by_profile.items()}
+    several = len(tables) > 1
+    header = ["Profile"] * several + ["Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"]
     lines = []
-    for workload, m in rows.items():
-        cells = [f"{m[k]['ratio']:.2f}x" if k in m else "-"
-                 for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]
-        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    for profile, rows in tables.items():
+        for workload, m in rows.items():
+            cells = [f"{m[k]['ratio']:.2f}x" if k in m else "-"
+                     for k in ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")]
+            lines.append("| " + (f"{Path(profile).stem} | " if several else "") + f"{workload} | "
+                         + " | ".join(cells) + " |")
     against = (f"the 12.3B model served on the GPU ({gpu['real']}), the simulator's {gpu['profile']} profile, an "
-               "ideal front end" if gpu else "the simulator's fitted CPU profile")
-    return [*_table(name, data, ["Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"], lines),
-            f"Simulated / real, same requests: {against}.", ""]
+               "ideal front end" if gpu else "the simulator's fitted profile of this CPU")
+    return [*_table(name, data, header, lines), f"Simulated / real, same requests: {against}.", ""]
 
 
 def _pipeline(name: str, data: dict) -> list[str]:
