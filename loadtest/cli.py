@@ -262,12 +262,15 @@ def run(
                             paper=preset is Preset.paper, users=users, turns=turns,
                             system_prompt_len=system_prompt_len, question_len=question_len, trace=trace,
                             trace_block_size=trace_block_size, time_scale=time_scale)
-    except ValueError as exc:  # a trace that does not parse
+        if trace is not None and (sweep or capacity):
+            workload.trace_rate()  # the rate a sweep or search scales the trace from
+    except ValueError as exc:  # a trace that does not parse, or has no rate to scale
         raise typer.BadParameter(str(exc), param_hint="--trace") from None
     if ignore_eos is None:
         ignore_eos = dataset is None  # as vLLM: forced for random prompts only
-    try:  # a sweep or search sets the rates (constant, or this poisson or gamma schedule)
-        check(schedule, 1.0 if (sweep or capacity) and schedule is not Schedule.burst else rate, burstiness)
+    try:  # a sweep or search sets the rates (constant, or this poisson or gamma schedule; a trace's are its own)
+        paced = (sweep or capacity) and schedule not in (Schedule.burst, Schedule.trace)
+        check(schedule, 1.0 if paced else rate, burstiness)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--schedule / --rate / --burstiness") from None
     base = RunConfig(schedule=schedule, rate=rate, burstiness=burstiness, concurrency=concurrency, duration_s=duration,

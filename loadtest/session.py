@@ -82,7 +82,7 @@ class Workload:
         """The requests of one point; ``trace_rate``: a trace's times scaled to this mean rate (a sweep's or a
         capacity search's point), else by ``time_scale``."""
         if self.trace is not None:
-            scale = self.time_scale if trace_rate is None else self._own_rate() / trace_rate
+            scale = self.time_scale if trace_rate is None else self.trace_rate() / trace_rate
             return trace_specs(self._trace, tokenizer, self.trace_block_size, seed, scale)
         if self.conversational:
             output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
@@ -96,8 +96,8 @@ class Workload:
         return synthetic(tokenizer, self.requests, self.input_len, self.output_len, seed, self.prefix_len,
                          self.num_prefixes)
 
-    def _own_rate(self) -> float:
-        """The trace's mean rate at its own times."""
+    def trace_rate(self) -> float:
+        """The trace's mean rate at its own times (ValueError when every request is due at once)."""
         rate = offered_rate([r.at_s for r in self._trace])
         if rate is None:
             raise ValueError("every request of the trace is due at once: it has no rate to scale")

@@ -142,13 +142,40 @@ def test_the_capacity_of_a_trace_is_its_highest_rate_meeting_the_slo_time_scaled
         assert result.summary["completed"] == 30
 
 
-def test_a_search_scales_a_trace_itself(tmp_path):
+def _trace_file(tmp_path, times_ms: list[int]):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 8, "output_length": 2}) + "\n"
+                             for t in times_ms))
+    return trace
+
+
+@pytest.mark.parametrize("times_ms, extra, named", [
+    ([0, 100], ["--time-scale", "0.5"], "--time-scale"),  # the search scales the trace itself
+    ([0, 0], [], "no rate to scale"),  # every request due at once: nothing to scale from
+])
+def test_a_search_over_a_trace_refuses_what_it_cannot_scale(tmp_path, times_ms, extra, named):
     from typer.testing import CliRunner
 
     from gateway.cli import app as cli
 
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 2}\n')
-    result = CliRunner().invoke(cli, ["loadtest", "run", "--target", "http://127.0.0.1:9#m", "--trace", str(trace),
-                                      "--capacity", "--goodput", "ttft:90", "--time-scale", "0.5"])
-    assert result.exit_code == 2 and "--time-scale" in result.output, result.output
+    result = CliRunner().invoke(cli, ["loadtest", "run", "--target", "http://127.0.0.1:9#m", "--trace",
+                                      str(_trace_file(tmp_path, times_ms)), "--capacity", "--goodput", "ttft:90",
+                                      *extra], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and named in result.output, result.output
+
+
+def test_a_search_over_a_trace_runs_from_the_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    with serve_app(create_mock_app("m", ttft_s=0.01, itl_s=0.005)) as url:
+        result = CliRunner().invoke(cli, [
+            "loadtest", "run", "--target", f"{url}#m", "--trace", str(_trace_file(tmp_path, [0, 100, 200, 300])),
+            "--capacity", "--goodput", "ttft:500", "--precision", "0.3", "--warmup", "0", "--out", str(tmp_path / "runs"),
+            "--db", str(tmp_path / "store.sqlite"), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    points = json.loads(summary.read_text())
+    assert [p["point_role"] for p in points[:3]] == ["synchronous", "throughput", "probe"]
+    assert all(p["completed"] == 4 for p in points) and "schedule=trace rate=" in points[2]["point"]
