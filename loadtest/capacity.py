@@ -85,7 +85,8 @@ async def sweep(measure: Measure, base: RunConfig, n: int) -> list[TargetResult]
     top = await measure(throughput(base), "throughput")
     results = [floor, top]
     for rate in sweep_rates(floor.summary["request_throughput"], top.summary["request_throughput"], n):
-        results.append(await measure(at_rate(base, rate), "constant"))
+        point = at_rate(base, rate)
+        results.append(await measure(point, point.schedule.value))  # constant, or the base's arrivals
     return results
 
 
