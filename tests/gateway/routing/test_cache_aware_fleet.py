@@ -52,11 +52,14 @@ def _engine_counts(replicas) -> tuple[float, float]:
     return queries, hits
 
 
-def _converse(clients: list[OpenAI], users: list[str], system: dict, turns: int = 3) -> None:
-    """Each user's turns sent in turn through ``clients``, one after the other (a client per turn, cycling)."""
+def _converse(clients: list[OpenAI], users: list[str], system: dict, turns: int = 3, think_s: float = 0.0) -> None:
+    """Each user's turns sent in turn through ``clients``, one after the other (a client per turn, cycling),
+    ``think_s`` between an answer and the next question."""
     for user in users:
         messages = [system, {"role": "user", "content": f"I am {user}. What is for dinner at sea?"}]
         for turn in range(turns):
+            if turn:
+                time.sleep(think_s)
             client = clients[turn % len(clients)]
             reply = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
@@ -65,12 +68,14 @@ def _converse(clients: list[OpenAI], users: list[str], system: dict, turns: int 
 
 def _hit_rate(replicas, users: list[str], system: dict, gateways: list[Gateway]) -> float:
     """The fleet's prefix-cache hit rate over ``users``' conversations sent through ``gateways``, which must have
-    followed every replica's KV events by the end."""
+    followed every replica's KV events by the end. A person thinks between turns (0.2 s here): the engines' KV
+    events of one turn reach the other gateway before the next turn does, as they do within a fraction of that
+    (a turn sent the instant the last answered could beat its own blocks' events to the other gateway)."""
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serve_app(create_app(g))) for g in gateways]
         clients = [stack.enter_context(OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)) for url in urls]
         before = _engine_counts(replicas)
-        _converse(clients, users, system)
+        _converse(clients, users, system, think_s=0.2)
         after = _engine_counts(replicas)
         assert all(g.groups["m"].policy.index_precise(d) for g in gateways for d in g.groups["m"].deployments)
     return (after[1] - before[1]) / (after[0] - before[0])
