@@ -78,11 +78,11 @@ class Workload:
             return self._trace[0].prompt is None
         return self.dataset is None
 
-    def build(self, tokenizer, seed: int, trace_rate: float | None = None) -> list[RequestSpec]:
-        """The requests of one point; ``trace_rate``: a trace's times scaled to this mean rate (a sweep's or a
-        capacity search's point), else by ``time_scale``."""
+    def build(self, tokenizer, seed: int, rate: float | None = None) -> list[RequestSpec]:
+        """The requests of one point; ``rate``: a trace's times scaled to this mean rate (a sweep's or a capacity
+        search's point), else by ``time_scale``."""
         if self.trace is not None:
-            scale = self.time_scale if trace_rate is None else self.trace_rate() / trace_rate
+            scale = self.time_scale if rate is None else self.trace_rate() / rate
             return trace_specs(self._trace, tokenizer, self.trace_block_size, seed, scale)
         if self.conversational:
             output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
