@@ -8,7 +8,9 @@ a placeholder actor there), and starts one actor per other rank in a bundle: the
 driver's node first, then each earlier stage's, node by node, so that a tensor-parallel group shares a node
 wherever the nodes' sizes allow and only stage-to-stage sends cross between nodes. The actors run ``workers.run_rank``: from there on they are ranks like any, meeting
 the driver's process group at its node's address. A dead actor ends its ``run`` call, which is how the driver
-sees it (``dead``).
+sees it (``dead``). A rank whose ``run`` fails ends its actor's process, as a rank process of the ``mp`` executor
+does: a Ray actor outlives its failed calls by default, and its open sockets would leave the driver waiting on a
+rank that will never send (the driver's peers notice only a closed connection at once).
 """
 
 from __future__ import annotations
@@ -47,7 +49,12 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def run(self, spec: RankSpec) -> None:
-        run_rank(spec)
+        try:
+            run_rank(spec)
+        except BaseException:
+            log.exception("native rank %d failed; ending its actor", spec.rank)
+            logging.shutdown()
+            os._exit(1)
 
 
 class RayWorkers:

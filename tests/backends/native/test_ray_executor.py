@@ -88,6 +88,26 @@ def test_a_model_split_over_two_ray_nodes_serves_the_tokens_of_one_process(split
     assert [c["text"] for c in sorted(served["choices"], key=lambda c: c["index"])] == [e.text for e in expected]
 
 
+def test_a_rank_whose_run_fails_ends_its_actor_process_as_a_lost_node_would(ray_cluster):
+    # A Ray actor outlives a failed call by default; a rank that did would keep its sockets open, and the driver,
+    # waiting on it behind a peer that failed (a tensor-parallel partner of the killed rank), would hang.
+    script = """
+import sys, ray
+from backends.native.ray_workers import RankActor
+from backends.native.workers import RankSpec
+ray.init(address=sys.argv[1], log_to_driver=False)
+actor = ray.remote(num_cpus=0)(RankActor).remote()  # (the served split holds every CPU)
+try:
+    ray.get(actor.run.remote(RankSpec(1, "{not a config", "nowhere", 16, "tcp://127.0.0.1:1", "cpu")))
+except ray.exceptions.RayActorError:
+    print("actor ended")
+except ray.exceptions.RayTaskError:
+    print("actor lives on")
+"""
+    out = subprocess.run([sys.executable, "-c", script, ray_cluster], capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines()[-1:] == ["actor ended"], out.stderr[-2000:]  # (after any raylet lines)
+
+
 def test_a_rank_actor_killed_mid_burst_fails_its_requests_and_the_deployment(split_over_ray):
     def kill_an_actor() -> None:
         os.kill(_rank_actors()[0], signal.SIGKILL)
