@@ -10,6 +10,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -144,7 +145,37 @@ async def _stream(client: aiohttp.ClientSession, target: Target, spec: RequestSp
     return record
 
 
-_decode = msgspec.json.Decoder().decode
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None  # completions
+    delta: _Delta | None = None  # chat
+    finish_reason: str | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Event(msgspec.Struct):
+    """The fields of an SSE event the client reads; the rest (ids, logprobs, ...) are skipped unparsed."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None  # an error event: any JSON, kept as text
+
+
+# Typed: decoding only these fields into slots takes ~0.4 us an event against ~0.9 us for a dict of them all (a
+# DecodeError, or a ValidationError for an event of another shape, is a ValueError).
+_decode = msgspec.json.Decoder(_Event).decode
 
 
 class _Events:
@@ -163,24 +194,23 @@ class _Events:
         data = line[5:].strip()
         if data == b"[DONE]":
             return True
-        event = _decode(data)  # msgspec: a third of json.loads' time per event; a DecodeError is a ValueError
-        if not isinstance(event, dict):
-            raise ValueError(f"an event must be a JSON object, not {type(event).__name__}")
-        if "error" in event:
-            self.error = str(event["error"])[:500]
+        event = _decode(data)
+        if event.error is not None:
+            self.error = str(event.error)[:500]
             return True
         record = self.record
-        if choices := event.get("choices"):  # every event with choices times the stream, even with empty text (vLLM)
+        if choices := event.choices:  # every event with choices times the stream, even with empty text (vLLM)
             record.chunk_times.append(now)
             c = choices[0]
-            piece = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
+            piece = (c.delta.content if c.delta is not None else None) if self.chat else c.text
             self.text.append(piece or "")
-            self.finished = self.finished or c.get("finish_reason") is not None
-        elif usage := event.get("usage"):
-            record.output_tokens = usage.get("completion_tokens") or 0
-            record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-            if details := usage.get("prompt_tokens_details"):
-                record.cached_tokens = details.get("cached_tokens")
+            self.finished = self.finished or c.finish_reason is not None
+        elif usage := event.usage:
+            record.output_tokens = usage.completion_tokens or 0
+            if usage.prompt_tokens is not None:
+                record.prompt_tokens = usage.prompt_tokens
+            if usage.prompt_tokens_details is not None:
+                record.cached_tokens = usage.prompt_tokens_details.cached_tokens
         return False
 
 

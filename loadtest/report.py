@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -109,10 +110,12 @@ def write_files(folder: Path, results: list[TargetResult], measured: list[Measur
     write_summaries(folder, [m.summary for m in measured])
     (folder / "vllm").mkdir(exist_ok=True)
     for i, (r, m) in enumerate(zip(results, measured)):
-        (folder / "vllm" / file_name(r.summary, i)).write_text(json.dumps(vllm_result(r.summary, r.records)))
-        with (folder / f"requests-{i}.jsonl").open("w") as f:
+        # The per-request files hold every chunk time (a million floats in a long run): msgspec writes them
+        # ~10x faster than json, and the client's CPU per streamed token is a measured figure (client_cpu.py).
+        (folder / "vllm" / file_name(r.summary, i)).write_bytes(msgspec.json.encode(vllm_result(r.summary, r.records)))
+        with (folder / f"requests-{i}.jsonl").open("wb") as f:
             for rec in r.records:
-                f.write(json.dumps({"target": m.name, **rec.to_json()}) + "\n")
+                f.write(msgspec.json.encode({"target": m.name, **rec.to_json()}) + b"\n")
         (folder / f"details-{i}.json").write_text(json.dumps(result_to_json(r), indent=2))
     if plots:
         write_report(folder, measured, recommendations=recommendations)

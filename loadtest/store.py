@@ -12,6 +12,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+import msgspec
+
 SCHEMA_VERSION = 2
 
 _SCHEMA = """
@@ -82,7 +84,8 @@ def save(db: sqlite3.Connection, run_group: str, workload: str, summary: dict, d
         "INSERT INTO runs (run_group, created, hardware, model, url, label, workload, failed, summary, details, "
         "records) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (run_group, time.time(), summary["hardware"], summary["model_id"], summary["url"], summary["label"], workload,
-         summary["failed"], json.dumps(summary), json.dumps(details), json.dumps(records)))
+         summary["failed"], json.dumps(summary), json.dumps(details),
+         msgspec.json.encode(records).decode()))  # every chunk time: msgspec, ~10x faster than json
     db.commit()
     return _row_id(cur)
 
