@@ -43,7 +43,9 @@ class RequestRecord:
     target_send: float  # when the schedule said to send
     actual_send: float = 0.0
     end: float = 0.0  # when the request ended, whichever way: last byte, error or timeout
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each event with choices
+    # arrival of each event with choices (out of the repr, as TargetResult.records: a worker process's
+    # asyncio.run formats the records it returns)
+    chunk_times: list[float] = field(default_factory=list, repr=False)
     generated_text: str = ""
     planned_prompt_tokens: int = 0  # what the workload built, as the target counts it
     prompt_tokens: int = 0  # the server's usage.prompt_tokens, else the planned count

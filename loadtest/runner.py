@@ -54,7 +54,10 @@ class RunConfig:
 class TargetResult:
     target: Target
     config: RunConfig
-    records: list[RequestRecord]
+    # Out of the repr: asyncio.run formats its finished task's result when it restores the SIGINT handler
+    # (signal.signal names the old handler in an enum lookup that fails), and every chunk time of a long run took
+    # over a second to repr.
+    records: list[RequestRecord] = field(repr=False)
     summary: dict
     samples: list = field(default_factory=list)
     metrics_before: dict = field(default_factory=dict)
