@@ -38,6 +38,11 @@ def describe(devs: list[dict[str, Any]]) -> str:
     return f"cpu: {cpu['count']}x {cpu['name']}"
 
 
+def machine_summary() -> str:
+    """This machine in words: CPU model and the cores this process may use."""
+    return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +37,10 @@ class StepTrace:
     """Appends the engine's steps to a trace file (JSON lines)."""
 
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
-        self._file: IO[str] = open(path, "w")  # noqa: SIM115 - open for the engine's life, closed by close()
+        try:
+            self._file: IO[str] = open(path, "w")  # noqa: SIM115 - open for the engine's life, closed by close()
+        except OSError as exc:
+            raise ValueError(f"step_trace: cannot write {str(path)!r}: {exc.strerror}") from None
         self._file.write(json.dumps({"what": "native engine steps timed while served, for `burstgate sim fit "
                                              "--from`", **header}) + "\n")
         self._file.flush()
@@ -76,11 +80,11 @@ class StepTrace:
 def open_trace(path: str | Path, engine) -> StepTrace:
     """A trace of ``engine``'s steps at ``path``, its header read off the engine (and, on a CPU, the peaks its
     profile's efficiencies are shares of, measured now: about 2 s)."""
-    from backends.sim.cli import machine
     from backends.sim.fit import measure_cpu_peaks
+    from gateway.info import machine_summary
 
     runner = engine.runner
-    header = {"machine": machine(), "device": str(runner.device), "model": engine.model_path.name,
+    header = {"machine": machine_summary(), "device": str(runner.device), "model": engine.model_path.name,
               "model_config": dataclasses.asdict(engine.model_config),
               "dtype": str(runner.dtype).removeprefix("torch."), "kv_dtype_bytes": runner.kv_dtype.itemsize,
               "block_size": engine.blocks.block_size, "async_scheduling": engine.overlap_steps,
@@ -94,5 +98,11 @@ def open_trace(path: str | Path, engine) -> StepTrace:
 def load_trace(path: str | Path) -> dict[str, Any]:
     """A trace as ``sim fit --native --save-steps`` saves steps: its header with ``steps``."""
     with open(path) as f:
-        header = json.loads(f.readline())
-        return {**header, "steps": [json.loads(line) for line in f if line.strip()]}
+        return parse_trace(f)
+
+
+def parse_trace(lines: Iterable[str]) -> dict[str, Any]:
+    """A trace's lines (the header first) as ``load_trace`` gives them."""
+    lines = iter(lines)
+    header = json.loads(next(lines))
+    return {**header, "steps": [json.loads(line) for line in lines if line.strip()]}

@@ -117,15 +117,6 @@ def _relative(path: Path) -> str:
         return str(path)
 
 
-def machine() -> str:
-    """This machine in words: CPU model and the cores this process may use."""
-    import os
-
-    from gateway.info import cpu_model
-
-    return f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores"
-
-
 def build_workload(requests: int, input_len: int, output_len: int | None, rate: float | None, arrivals: str,
                    seed: int, prefix_len: int = 0, num_prefixes: int = 1, users: int = 0, turns: int = 1,
                    system_prompt_len: int = 0, question_len: int = 64, think_time: float = 0.0,

@@ -241,13 +241,13 @@ def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = C
     """The native engine's steps on this CPU (``measure_native``) with the peaks they are shares of."""
     from backends.native.config import EngineConfig
     from backends.native.engine import start_engine
-    from backends.sim.cli import machine
+    from gateway.info import machine_summary
 
     engine = start_engine(EngineConfig(model_path=str(model) if model else None))
     try:
         flops, bandwidth = measure_cpu_peaks(engine.runner.dtype)
         steps = measure_native(engine, bursts)
-        return {"what": "native engine steps on a CPU, for `burstgate sim fit --from`", "machine": machine(),
+        return {"what": "native engine steps on a CPU, for `burstgate sim fit --from`", "machine": machine_summary(),
                 "model": engine.model_path.name, "model_config": dataclasses.asdict(engine.model_config),
                 "dtype": str(engine.runner.dtype).removeprefix("torch."),
                 "kv_dtype_bytes": engine.runner.kv_dtype.itemsize, "block_size": engine.blocks.block_size,
@@ -269,12 +269,13 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
 def load_steps(path: Path | str) -> dict:
     """A JSON file of measured steps, or a step trace of the engine served (JSON lines: backends/native/step_trace.py)
     as the same record."""
-    from backends.native.step_trace import load_trace
+    from backends.native.step_trace import parse_trace
 
+    text = Path(path).read_text()
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(text)
     except json.JSONDecodeError:
-        return load_trace(path)
+        return parse_trace(text.splitlines())
 
 
 def points_from_file(path: Path | str) -> list[StepPoint]:

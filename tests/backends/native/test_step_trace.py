@@ -85,3 +85,9 @@ def test_a_profile_is_fitted_on_a_trace(tmp_path, smollm2_tokenizer):
 def test_a_step_trace_is_refused_with_pipeline_stages():
     with pytest.raises(ValueError, match="step_trace"):
         EngineConfig(step_trace="t.jsonl", pipeline_parallel_size=2)
+
+
+def test_a_trace_the_engine_cannot_write_is_a_named_error(tmp_path, smollm2_tokenizer):
+    with pytest.raises(ValueError, match=r"step_trace: cannot write .*No such file or directory"):
+        LLMEngine(EngineConfig(dtype="float32", max_model_len=128, num_blocks=16,
+                               step_trace=str(tmp_path / "missing" / "steps.jsonl")), tokenizer=smollm2_tokenizer)
