@@ -38,7 +38,7 @@ serve: install
 	$(VENV)/bin/burstgate serve --host $(HOST) --port $(PORT)
 
 test: install-dev system-packages
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # The long soak: 10,000 requests streamed, folded and abandoned against `burstgate serve` with no config;
 # RSS, descriptors, asyncio tasks and KV cache before and after go to benchmarks/results/soak.json.
