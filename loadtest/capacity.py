@@ -12,6 +12,10 @@ the capacity is 0) and the throughput rate (failing, or the capacity is that rat
 SLO's), then bisects until the bracket is within ``precision`` of its top: the capacity is the highest passing
 rate found, and the first failing one is at most ``precision`` above it. Each probe is one measurement with
 fresh prompts, so a noisy target can make the curve non-monotonic: every probe is kept and reported.
+
+Over multi-turn conversations the rate is of **conversations** arriving (each then sends its turns one after
+another): one conversation at a time is the synchronous point, all at once the throughput point, and the rates
+compared are conversations completed (every turn answered) per second; the SLOs hold per request, every turn.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ class Capacity:
     slos_ms: dict[str, float]
     attainment: float
     precision: float
-    rate: float  # requests/s; 0 when even one request at a time misses the SLO
+    rate: float  # in ``unit``; 0 when even one request (conversation) at a time misses the SLO
     limited_by: str  # "slo", "throughput" (the SLO holds up to the target's limit) or "latency floor"
     arrivals: str  # how each probe's requests arrive: constant, poisson, gamma burstiness=B
-    probes: list[dict] = field(default_factory=list)  # {"role", "rate", "attained", "passed", ...} in order
+    probes: list[dict] = field(default_factory=list)  # {"role", "rate", "throughput", "attained", "passed", ...}
+    unit: str = "requests/s"  # or "conversations/s" over multi-turn conversations
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -48,6 +53,17 @@ def attained(result: TargetResult, slos_ms: dict[str, float]) -> float:
     """The share of the point's requests that were answered and met every SLO."""
     records = result.records
     return sum(r.ok and meets_slos(r, slos_ms) for r in records) / len(records) if records else 0.0
+
+
+def rate_unit(result: TargetResult) -> str:
+    """What a point's rates count: conversations (a multi-turn run) or requests per second."""
+    return "conversations/s" if "conversation_throughput" in result.summary else "requests/s"
+
+
+def completed_rate(result: TargetResult) -> float:
+    """The point's throughput in its ``rate_unit``: conversations completed or requests answered per second."""
+    s = result.summary
+    return s["conversation_throughput"] if "conversation_throughput" in s else s["request_throughput"]
 
 
 def synchronous(base: RunConfig) -> RunConfig:
@@ -80,11 +96,12 @@ def sweep_rates(sync_rate: float, max_rate: float, n: int) -> list[float]:
 
 
 async def sweep(measure: Measure, base: RunConfig, n: int) -> list[TargetResult]:
-    """Synchronous, throughput, then ``n`` constant rates between them."""
+    """Synchronous, throughput, then ``n`` constant rates between them (of conversations, over a multi-turn
+    workload)."""
     floor = await measure(synchronous(base), "synchronous")
     top = await measure(throughput(base), "throughput")
     results = [floor, top]
-    for rate in sweep_rates(floor.summary["request_throughput"], top.summary["request_throughput"], n):
+    for rate in sweep_rates(completed_rate(floor), completed_rate(top), n):
         point = at_rate(base, rate)
         results.append(await measure(point, point.schedule.value))  # constant, or the base's arrivals
     return results
@@ -104,17 +121,18 @@ async def search(measure: Measure, base: RunConfig, slos_ms: dict[str, float], a
         result = await measure(cfg, role)
         share = attained(result, slos_ms)
         passed = share >= attainment
-        s = result.summary
-        capacity.probes.append({"role": role, "rate": cfg.rate, "request_throughput": s["request_throughput"],
+        capacity.unit = rate_unit(result)
+        capacity.probes.append({"role": role, "rate": cfg.rate, "throughput": completed_rate(result),
+                                "request_throughput": result.summary["request_throughput"],
                                 "attained": share, "passed": passed, "run_index": len(results)})
         results.append(result)
         return passed
 
     if not await probe(synchronous(base), "synchronous"):
         return results, capacity  # one request at a time already misses: no rate meets the SLO
-    low = results[-1].summary["request_throughput"]
+    low = completed_rate(results[-1])
     await probe(throughput(base), "throughput")
-    high = results[-1].summary["request_throughput"]
+    high = completed_rate(results[-1])
     if high <= low:  # the target completes no more at once than one at a time
         capacity.rate, capacity.limited_by = low, "throughput"
         return results, capacity

@@ -111,8 +111,8 @@ def _unused(ctx: typer.Context) -> str | None:
         if p["sweep"] and p["capacity"]:
             return "--sweep and --capacity each choose the rates: give one"
         if named := [f"--{n.replace('_', '-')}" for n in ("rate", "concurrency", "sweep_rate", "sweep_concurrency",
-                                                          "users", "preset") if given(ctx, n)]:
-            return f"{', '.join(named)}: --sweep and --capacity choose the rates of independent requests themselves"
+                                                          "preset") if given(ctx, n)]:
+            return f"{', '.join(named)}: --sweep and --capacity choose the rates themselves (of conversations with --users)"
         if given(ctx, "time_scale"):
             return "--time-scale: --sweep and --capacity scale a --trace's times to each rate they try"
         if p["capacity"] and not p["goodput"]:
@@ -201,9 +201,9 @@ def run(
     trace_block_size: Annotated[int, typer.Option(min=1, metavar="N", help="Prompt tokens per trace hash id "
                                                   "(Mooncake: 512).", rich_help_panel=TRACES)] = 512,
     schedule: Annotated[Schedule, typer.Option(help="Arrival schedule.", rich_help_panel=ARRIVALS)] = Schedule.burst,
-    rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant.", rich_help_panel=ARRIVALS)] = None,
+    rate: Annotated[float | None, typer.Option(metavar="REQ/S", help="Requests/s for poisson, gamma and constant (conversations/s with --users).", rich_help_panel=ARRIVALS)] = None,
     burstiness: Annotated[float, typer.Option(metavar="SHAPE", help="Gamma shape for --schedule gamma (< 1 burstier).", rich_help_panel=ARRIVALS)] = 1.0,
-    concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight.", rich_help_panel=ARRIVALS)] = None,
+    concurrency: Annotated[int | None, typer.Option(min=1, metavar="N", help="Closed loop: at most N in flight (conversations under way with --users).", rich_help_panel=ARRIVALS)] = None,
     sweep_concurrency: Annotated[str | None, typer.Option(metavar="N,N,...", help="Concurrencies to sweep.", rich_help_panel=ARRIVALS)] = None,
     sweep_rate: Annotated[str | None, typer.Option(metavar="R,R,...", help="Rates to sweep (poisson unless --schedule).", rich_help_panel=ARRIVALS)] = None,
     sweep: Annotated[int, typer.Option(min=0, metavar="N", help="guidellm's sweep: synchronous, throughput, then N "
@@ -374,14 +374,15 @@ def _print_recommendations(recommendations: list[Recommendation], title: str) ->
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("hardware", "model", "workload", "SLO", "best (req/s, limited by)", "runner-up (req/s)", "margin",
+    for col in ("hardware", "model", "workload", "SLO", "best (capacity, limited by)", "runner-up", "margin",
                 "runs", "missing"):
         table.add_column(col)
     for r in recommendations:
         up = r.runner_up
         table.add_row(r.hardware, r.model, r.workload, describe_slos(r.slos),
-                      f"{r.best.label} [{describe_settings(r.best.settings)}] {r.best.rate:.2f} ({r.best.limited_by})",
-                      f"{up.label} {up.rate:.2f}" if up else "- (no other target measured)",
+                      f"{r.best.label} [{describe_settings(r.best.settings)}] {r.best.rate:.2f} {r.best.unit} "
+                      f"({r.best.limited_by})",
+                      f"{up.label} {up.rate:.2f} {up.unit}" if up else "- (no other target measured)",
                       f"{r.margin:+.0%}" if r.margin is not None else "-",
                       ", ".join(str(i) for i in r.best.run_ids + (up.run_ids if up else [])),
                       ", ".join(r.missing) or "-")

@@ -17,11 +17,12 @@ class Entry:
     """One target's capacity in a group."""
 
     label: str
-    rate: float  # requests/s at the SLO
+    rate: float  # at the SLO, in ``unit``
     limited_by: str
     run_group: str
     run_ids: list[int]
     settings: list[dict]  # the server's deployments, where it reports them
+    unit: str = "requests/s"  # or conversations/s (a multi-turn workload: its group's every entry)
 
 
 @dataclass
@@ -72,7 +73,8 @@ def recommend(rows: list[dict]) -> list[Recommendation]:
 
 
 def _entry(row: dict) -> Entry:
-    return Entry(row["label"], row["rate"], row["limited_by"], row["run_group"], row["run_ids"], row["settings"])
+    return Entry(row["label"], row["rate"], row["limited_by"], row["run_group"], row["run_ids"], row["settings"],
+                 row["capacity"].get("unit", "requests/s"))  # (stored before conversations: requests)
 
 
 def describe_slos(slos: dict) -> str:

@@ -96,6 +96,10 @@ def _rows(summaries: list[dict]) -> list[tuple[str, Callable[[dict], str]]]:
              ("prompts", lambda s: f"{s.get('prompts', '?')} (seed {s.get('prompt_seed', '?')})")]
     if any(s.get("request_goodput") is not None for s in summaries):
         rows.append(("goodput (req/s)", lambda s: f"{s['request_goodput'] or 0:.2f}"))
+    if any("conversations" in s for s in summaries):
+        rows.append(("conversations completed / all (per s)",
+                     lambda s: f"{s['completed_conversations']} / {s['conversations']} "
+                               f"({s['conversation_throughput']:.2f})" if "conversations" in s else "-"))
     if any(s.get("short_outputs") for s in summaries):
         rows.append(("short outputs (ignore_eos ignored)", lambda s: str(s["short_outputs"])))
     return rows
@@ -278,8 +282,9 @@ def _capacity(measured):
             ax.plot([r["rate"] for r in burst], [r[key] * scale for r in burst], "x", color=line.get_color(),
                     label=f"{target}: all at once")
             ax.axvline(found["rate"], linestyle=":", color=line.get_color())
-    ttft_ax.set(xlabel="requests/s (offered; x: all at once, completed)", ylabel="p99 TTFT (ms)")
-    share_ax.set(xlabel="requests/s", ylabel="requests meeting every SLO (%)", ylim=(0, 105))
+    unit = next(m.capacity for m in measured if m.capacity).get("unit", "requests/s")  # one workload a run
+    ttft_ax.set(xlabel=f"{unit} (offered; x: all at once, completed)", ylabel="p99 TTFT (ms)")
+    share_ax.set(xlabel=unit, ylabel="requests meeting every SLO (%)", ylim=(0, 105))
     for ax in (ttft_ax, share_ax):
         ax.legend(fontsize=7)
         ax.ticklabel_format(useOffset=False, style="plain", axis="y")
@@ -293,7 +298,7 @@ def _probe_rows(measured: list[Measured], target: str) -> list[dict]:
     rows = []
     for probe, m in zip((runs[0].capacity or {})["probes"], runs):  # runs: those with a capacity
         s = m.summary
-        rows.append({"role": probe["role"], "rate": probe["rate"] or probe["request_throughput"],
+        rows.append({"role": probe["role"], "rate": probe["rate"] or probe.get("throughput", probe["request_throughput"]),
                      "attained": probe["attained"], "passed": probe["passed"],
                      **{f"{p}_{k}_ms": s[f"{p}_{k}_ms"] for k in ("ttft", "tpot", "itl") for p in ("median", "p99")},
                      "request_goodput": s.get("request_goodput")})
@@ -487,11 +492,12 @@ def _recommendation_html(recommendations: Sequence[Recommendation]) -> str:
     if not recommendations:
         return ""
     rows = [[r.hardware, r.model, r.workload, describe_slos(r.slos),
-             f"{r.best.label} [{describe_settings(r.best.settings)}]", f"{r.best.rate:.2f} ({r.best.limited_by})",
-             f"{r.runner_up.label} {r.runner_up.rate:.2f}" if r.runner_up else "-",
+             f"{r.best.label} [{describe_settings(r.best.settings)}]",
+             f"{r.best.rate:.2f} {r.best.unit} ({r.best.limited_by})",
+             f"{r.runner_up.label} {r.runner_up.rate:.2f} {r.runner_up.unit}" if r.runner_up else "-",
              f"{r.margin:+.0%}" if r.margin is not None else "-", ", ".join(r.missing) or "-"] for r in recommendations]
-    return "<h2>recommendation</h2>" + _table(["hardware", "model", "workload", "SLO", "best", "capacity (req/s)",
-                                               "runner-up (req/s)", "margin", "missing"], rows)
+    return "<h2>recommendation</h2>" + _table(["hardware", "model", "workload", "SLO", "best", "capacity",
+                                               "runner-up", "margin", "missing"], rows)
 
 
 def _capacity_html(measured: list[Measured]) -> str:
@@ -503,8 +509,9 @@ def _capacity_html(measured: list[Measured]) -> str:
                  *(f"{row[f'{p}_{k}_ms']:.1f}" for k in ("ttft", "tpot", "itl") for p in ("median", "p99")),
                  f"{row['request_goodput'] or 0:.2f}"] for row in _probe_rows(measured, target)]
         slos = describe_slos(found)
-        out.append(f"<h2>capacity of {html.escape(target)}: {found['rate']:.2f} requests/s at {html.escape(slos)} "
+        unit = found.get("unit", "requests/s")
+        out.append(f"<h2>capacity of {html.escape(target)}: {found['rate']:.2f} {unit} at {html.escape(slos)} "
                    f"(limited by {html.escape(found['limited_by'])}; precision {found['precision']:.0%})</h2>")
-        out.append(_table(["probe", "requests/s", "met SLO", "passed", "TTFT p50", "TTFT p99", "TPOT p50",
+        out.append(_table(["probe", unit, "met SLO", "passed", "TTFT p50", "TTFT p99", "TPOT p50",
                            "TPOT p99", "ITL p50", "ITL p99", "goodput (req/s)"], rows))
     return "".join(out)

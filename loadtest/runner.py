@@ -8,6 +8,7 @@ that each run their own event loop and HTTP client, all aiming at the same start
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing as mp
 import queue
@@ -112,6 +113,8 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
                    offered_request_rate=offered_rate(offsets), max_concurrency=cfg.concurrency,
                    schedule=cfg.schedule.value, warmup_requests=len(warmup),
                    server_prefix_cache_hit_rate=server_hit_rate(before, after))
+    if any(s.conversation is not None for s in specs):
+        summary.update(conversation_counts(specs, records, ended - t0))
     return TargetResult(target, cfg, records, summary, samples, before, after, client_hardware(), _warnings(summary))
 
 
@@ -175,30 +178,52 @@ async def _converse(client: aiohttp.ClientSession, target: Target, specs: list[R
     """Multi-turn conversations: each starts at its arrival (the schedule's offsets, one per conversation) and sends
     its turns one after another, each once the previous one was answered and ``cfg.think_time_s`` has passed, with
     the system prompt, every earlier question and answer, and the new question; a failed turn ends its
-    conversation (its later turns are not sent)."""
+    conversation (its later turns are not sent). With ``cfg.concurrency`` at most that many conversations are under
+    way at once, a later one waiting for a place (its first turn's queue time)."""
     turns: dict[int, list[int]] = {}
     for i, spec in enumerate(specs):
         assert spec.conversation is not None  # a conversational workload's every request has one
         turns.setdefault(spec.conversation, []).append(i)
     records: list[RequestRecord | None] = [None] * len(specs)
+    gate = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else contextlib.nullcontext()
 
     async def talk(k: int, indices: list[int]) -> None:
         await _sleep_until(t0 + offsets[k])
-        first = specs[indices[0]]
-        history = [{"role": "system", "content": first.system}] if first.system else []
-        for i in indices:
-            messages = [*history, {"role": "user", "content": specs[i].prompt}]
-            record = records[i] = RequestRecord(i, time.perf_counter())
-            await send(client, target, replace(specs[i], messages=messages), record, cfg.request)
-            if on_done is not None:
-                on_done(record)
-            if not record.ok:
-                return
-            history = [*messages, {"role": "assistant", "content": record.generated_text}]
-            await asyncio.sleep(cfg.think_time_s)
+        waited = time.perf_counter()
+        async with gate:
+            queued = time.perf_counter() - waited
+            first = specs[indices[0]]
+            history = [{"role": "system", "content": first.system}] if first.system else []
+            for i in indices:
+                messages = [*history, {"role": "user", "content": specs[i].prompt}]
+                record = records[i] = RequestRecord(i, time.perf_counter())
+                record.queue_time, queued = queued, 0.0  # the first turn's wait for a place
+                await send(client, target, replace(specs[i], messages=messages), record, cfg.request)
+                if on_done is not None:
+                    on_done(record)
+                if not record.ok:
+                    return
+                history = [*messages, {"role": "assistant", "content": record.generated_text}]
+                await asyncio.sleep(cfg.think_time_s)
 
     await asyncio.gather(*(talk(k, indices) for k, indices in enumerate(turns.values())))
     return [r for r in records if r is not None]
+
+
+def conversation_counts(specs: list[RequestSpec], records: list[RequestRecord], duration_s: float) -> dict:
+    """A multi-turn run's conversations: how many, how many were answered turn by turn to the end, and those per
+    second of the run (the rate a capacity search over conversations compares)."""
+    turns: dict[int, int] = {}
+    for spec in specs:
+        turns[spec.conversation] = turns.get(spec.conversation, 0) + 1  # type: ignore[index]
+    answered: dict[int, int] = {}
+    for r in records:
+        if r.ok:
+            k = specs[r.index].conversation
+            answered[k] = answered.get(k, 0) + 1  # type: ignore[index]
+    completed = sum(answered.get(k, 0) == n for k, n in turns.items())
+    return {"conversations": len(turns), "completed_conversations": completed,
+            "conversation_throughput": completed / duration_s if duration_s > 0 else 0.0}
 
 
 async def _replay_sessions(client: aiohttp.ClientSession, target: Target, specs: list[RequestSpec],

@@ -41,7 +41,7 @@ CREATE TABLE IF NOT EXISTS capacities (
     label TEXT NOT NULL,
     workload TEXT NOT NULL,         -- as runs.workload, less the point: the rates are what the search varied
     slos TEXT NOT NULL,             -- canonical JSON of the SLOs (ms) and the attainment they were held to
-    rate REAL NOT NULL,             -- requests/s: the capacity at those SLOs
+    rate REAL NOT NULL,             -- the capacity at those SLOs, in capacity.unit (requests/s, conversations/s)
     limited_by TEXT NOT NULL,       -- slo, throughput or latency floor
     settings TEXT NOT NULL,         -- JSON: the server's deployments (kind, settings) where it reports them
     capacity TEXT NOT NULL,         -- JSON: the search (precision, every probe)

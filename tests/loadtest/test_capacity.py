@@ -179,3 +179,39 @@ def test_a_search_over_a_trace_runs_from_the_command_line(tmp_path):
     points = json.loads(summary.read_text())
     assert [p["point_role"] for p in points[:3]] == ["synchronous", "throughput", "probe"]
     assert all(p["completed"] == 4 for p in points) and "schedule=trace rate=" in points[2]["point"]
+
+
+def test_the_capacity_over_conversations_is_in_conversations_per_second():
+    # the server of the tests above (20 requests/s): a conversation of 2 turns without think time takes 2 of its
+    # requests, so it carries 10 conversations/s; one conversation at a time has one request in flight
+    workload = Workload(40, 16, 3, users=20, turns=2, question_len=16)
+    chat = RunConfig(request=RequestOptions(endpoint="chat", ignore_eos=True))
+    search_for = CapacitySearch({"ttft": 90}, attainment=0.9, precision=0.1)
+    with serve_app(create_mock_app("m", ttft_s=0.05, itl_s=0.025, max_concurrency=2)) as url:
+        session = Session([Target(url, "m")], workload, [chat], warmup=0, seed=0, capacity=search_for)
+        results = asyncio.run(run_session(session))
+    found = results[0].capacity
+    assert found.unit == "conversations/s" and 10 * 0.8 <= found.rate <= 10 * 1.1, found.probes
+    synchronous = results[0].summary
+    assert synchronous["point_role"] == "synchronous" and synchronous["max_concurrent_requests"] == 1
+    assert synchronous["completed_conversations"] == synchronous["conversations"] == 20
+    assert all(p["throughput"] == r.summary["conversation_throughput"] for p, r in zip(found.probes, results))
+
+
+def test_a_sweep_over_conversations_runs_from_the_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    with serve_app(create_mock_app("m", ttft_s=0.01, itl_s=0.005)) as url:
+        result = CliRunner().invoke(cli, [
+            "loadtest", "run", "--target", f"{url}#m", "--endpoint", "chat", "--users", "4", "--turns", "2",
+            "--question-len", "8", "--output-len", "2", "--sweep", "1", "--warmup", "0", "--out", str(tmp_path / "runs"),
+            "--db", str(tmp_path / "store.sqlite"), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    points = json.loads(summary.read_text())
+    assert [p["point_role"] for p in points] == ["synchronous", "throughput", "constant"]
+    assert all(p["completed_conversations"] == 4 and p["completed"] == 8 for p in points)
+    # the constant point's rate is of conversations: between one at a time and all at once
+    assert points[0]["conversation_throughput"] < points[2]["request_rate"] <= points[1]["conversation_throughput"]
