@@ -13,6 +13,7 @@ import gc
 import multiprocessing as mp
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -213,15 +214,9 @@ async def _converse(client: aiohttp.ClientSession, target: Target, specs: list[R
 def conversation_counts(specs: list[RequestSpec], records: list[RequestRecord], duration_s: float) -> dict:
     """A multi-turn run's conversations: how many, how many were answered turn by turn to the end, and those per
     second of the run (the rate a capacity search over conversations compares)."""
-    turns: dict[int, int] = {}
-    for spec in specs:
-        turns[spec.conversation] = turns.get(spec.conversation, 0) + 1  # type: ignore[index]
-    answered: dict[int, int] = {}
-    for r in records:
-        if r.ok:
-            k = specs[r.index].conversation
-            answered[k] = answered.get(k, 0) + 1  # type: ignore[index]
-    completed = sum(answered.get(k, 0) == n for k, n in turns.items())
+    turns = Counter(spec.conversation for spec in specs)
+    answered = Counter(specs[r.index].conversation for r in records if r.ok)
+    completed = sum(answered[k] == n for k, n in turns.items())
     return {"conversations": len(turns), "completed_conversations": completed,
             "conversation_throughput": completed / duration_s if duration_s > 0 else 0.0}
 
