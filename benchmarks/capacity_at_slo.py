@@ -16,6 +16,7 @@ point. Targets run one after another (never at once).
 
     make peers   # vLLM's CPU build in .peers/vllm
     python benchmarks/capacity_at_slo.py --deepspeed --save benchmarks/results/capacity_at_slo.json
+    python benchmarks/capacity_at_slo.py --users 8 --skip sweep --save benchmarks/results/capacity_at_slo_multi_turn.json
 """
 
 from __future__ import annotations
@@ -56,18 +57,29 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed-Inference in the concurrency sweep")
     ap.add_argument("--skip", action="append", default=[], choices=["capacity", "sweep"])
+    ap.add_argument("--users", type=int, default=0, help="multi-turn chat instead: this many conversations per "
+                    "point and probe (the capacity then in conversations/s)")
+    ap.add_argument("--turns", default="3")
+    ap.add_argument("--system-prompt-len", default="128")
+    ap.add_argument("--question-len", default="32")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     slos = args.slo or ["ttft:1000", "tpot:100"]
-    shape = ["--requests", str(args.requests), "--input-len", args.input_len, "--output-len", args.output_len,
-             "--warmup", "2", "--timeout", "1800"]
+    if args.users:
+        shape = ["--endpoint", "chat", "--users", str(args.users), "--turns", args.turns, "--system-prompt-len",
+                 args.system_prompt_len, "--question-len", args.question_len]
+    else:
+        shape = ["--requests", str(args.requests), "--input-len", args.input_len]
+    shape += ["--output-len", args.output_len, "--warmup", "2", "--timeout", "1800"]
     work = Path(tempfile.mkdtemp(prefix="capacity-"))
     earlier = json.loads(args.save.read_text()) if args.save and args.save.exists() else {}
     record: dict = {**{k: earlier[k] for k in ("capacity", "sweep") if k in earlier and k in args.skip},
-                    "workload": {"requests": args.requests, "input_len": args.input_len,
-                                                 "output_len": args.output_len}, "slos": slos}
+                    "workload": {"users": args.users, "turns": args.turns, "system_prompt_len": args.system_prompt_len,
+                                 "question_len": args.question_len, "output_len": args.output_len} if args.users
+                    else {"requests": args.requests, "input_len": args.input_len, "output_len": args.output_len},
+                    "slos": slos}
     with contextlib.ExitStack() as stack:
-        targets = {"native": serve_deployment(stack, {"kind": "native"})}
+        targets = {"native": serve_deployment(stack, {"kind": "native", "dtype": "float32"})}  # as vLLM: like with like
         port = free_port()
         stack.callback(start_vllm(port, MODEL).terminate)
         targets["vllm"] = f"http://127.0.0.1:{port}"
@@ -94,7 +106,8 @@ def main() -> None:
 
 
 POINT_KEYS = ("label", "point", "completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms",
-              "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "request_goodput")
+              "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "request_goodput",
+              "completed_conversations", "conversation_throughput")
 
 
 def points(folder: Path) -> list[dict]:
@@ -116,8 +129,9 @@ def points(folder: Path) -> list[dict]:
 def _print(record: dict) -> None:
     for r in record.get("capacity", {}).get("recommendation", []):
         up = r["runner_up"]
-        print(f"capacity at {r['slos']}: {r['best']['label']} {r['best']['rate']:.2f} req/s ({r['best']['limited_by']})"
-              + (f", runner-up {up['label']} {up['rate']:.2f} req/s, margin {r['margin']:+.0%}" if up else ""))
+        unit = r["best"]["unit"]
+        print(f"capacity at {r['slos']}: {r['best']['label']} {r['best']['rate']:.2f} {unit} ({r['best']['limited_by']})"
+              + (f", runner-up {up['label']} {up['rate']:.2f} {unit}, margin {r['margin']:+.0%}" if up else ""))
     for p in record.get("sweep", {}).get("points", []):
         print(f"{p['label'] + p['point']:70s} {p['output_throughput']:7.1f} tok/s  TPOT p50 {p['median_tpot_ms']:6.1f} ms"
               f"  RSS {p['server_rss_peak_gib'] or 0:.2f} GiB  CPU {p['server_cpu_mean_percent'] or 0:.0f}%"
