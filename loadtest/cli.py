@@ -266,6 +266,9 @@ def run(
             workload.trace_rate()  # the rate a sweep or search scales the trace from
     except ValueError as exc:  # a trace that does not parse, or has no rate to scale
         raise typer.BadParameter(str(exc), param_hint="--trace") from None
+    if workers > 1 and workload.chained:  # a request waiting for an answer must be in the process that gets it
+        raise typer.BadParameter("deals independent requests to processes: conversations (--users) and a trace's "
+                                 "sessions keep to one client process", param_hint="--workers")
     if ignore_eos is None:
         ignore_eos = dataset is None  # as vLLM: forced for random prompts only
     try:  # a sweep or search sets the rates (constant, or this poisson or gamma schedule; a trace's are its own)

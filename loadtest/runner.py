@@ -79,6 +79,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
     ``count_tokens`` re-counts the output of requests the server sent no usage for."""
     offsets = (_trace_offsets(specs) if cfg.schedule is Schedule.trace
                else arrival_offsets(cfg.schedule, len(specs), cfg.rate, cfg.burstiness, cfg.seed))
+    conversational = any(s.conversation is not None for s in specs)
     async with new_client(cfg.request) as client:
         await _warm_up(client, target, warmup, cfg)
         before = await scrape_metrics(client, target.url)
@@ -91,7 +92,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         try:
             if cfg.workers > 1:
                 t0, records = await asyncio.to_thread(_run_in_processes, target, specs, offsets, cfg, on_done)
-            elif any(s.conversation is not None for s in specs):
+            elif conversational:
                 t0 = time.perf_counter() + START_LEAD_S
                 records = await _converse(client, target, specs, offsets, t0, cfg, on_done)
             elif any(s.session is not None for s in specs):
@@ -114,7 +115,7 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
                    offered_request_rate=offered_rate(offsets), max_concurrency=cfg.concurrency,
                    schedule=cfg.schedule.value, warmup_requests=len(warmup),
                    server_prefix_cache_hit_rate=server_hit_rate(before, after))
-    if any(s.conversation is not None for s in specs):
+    if conversational:
         summary.update(conversation_counts(specs, records, ended - t0))
     return TargetResult(target, cfg, records, summary, samples, before, after, client_hardware(), _warnings(summary))
 

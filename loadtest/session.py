@@ -72,6 +72,11 @@ class Workload:
         return self.users > 0
 
     @property
+    def chained(self) -> bool:
+        """Whether some requests wait for an earlier one's answer: conversations, or a trace's sessions."""
+        return self.conversational or (self.trace is not None and any(r.session is not None for r in self._trace))
+
+    @property
     def exact_lengths(self) -> bool:
         """Whether prompts are fitted to planned lengths (else only counted: a dataset's or a trace's texts)."""
         if self.trace is not None:

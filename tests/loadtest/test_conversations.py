@@ -39,7 +39,8 @@ def test_the_cli_refuses_conversation_options_that_would_do_nothing():
     base = ["loadtest", "run", "--target", "http://127.0.0.1:9#m"]
     for extra, said in ((["--users", "2"], "--endpoint chat"),
                         (["--turns", "3"], "add --users"),
-                        (["--users", "2", "--endpoint", "chat", "--requests", "5"], "drop --requests")):
+                        (["--users", "2", "--endpoint", "chat", "--requests", "5"], "drop --requests"),
+                        (["--users", "2", "--endpoint", "chat", "--workers", "2"], "one client process")):
         out = runner.invoke(cli, base + extra)
         text = " ".join(out.output.replace("│", " ").split())  # rich wraps the message in a box
         assert out.exit_code == 2 and said in text, text

@@ -109,3 +109,17 @@ def test_a_replay_sends_at_the_trace_times_and_a_sessions_requests_in_turn(tmp_p
     assert records[1].actual_send >= records[0].end  # a session's next request waits for the previous answer
     assert [r.prompt_tokens for r in records] == [20, 30, 25, 40]  # as the server counted them
     assert result.summary["completed"] == 4 and result.summary["workload"].startswith("trace=trace.jsonl n=4")
+
+
+def test_a_trace_with_sessions_refuses_worker_processes(tmp_path):
+    # a session's request waits for the answer before it, which only the process that sent that one holds
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 8, "output_length": 2,
+                                         "session_id": i % 2}) + "\n" for i in range(4)))
+    out = CliRunner().invoke(cli, ["loadtest", "run", "--target", "http://127.0.0.1:9#m", "--trace", str(trace),
+                                   "--workers", "2"], env={"COLUMNS": "300"})
+    assert out.exit_code == 2 and "one client process" in out.output, out.output
