@@ -8,11 +8,13 @@ its own decisions, cache_aware following the replicas' KV events), and where ins
 SGLang's router (``--policy cache_aware``) and vLLM's router (``--policy cache_aware``, and ``--policy kv_aware``
 reading the replicas' KV events: ``vllm-router-kv``) in front of the same replicas.
 Workloads (burstgate's load tester, one client for all, chat completions: SGLang's router serves no other route in
-its OpenAI mode): multi-turn (users x turns, each turn carrying the whole history), shared-prefix (groups of
-prompts behind a few long shared prefixes) and random prompts.
+its OpenAI mode): multi-round QA (production-stack's shape: a shared system prompt, each user's own history,
+questions after a think time), multi-turn (users x turns, each turn sent as soon as the last was answered),
+shared-prefix (groups of prompts behind a few long shared prefixes) and random prompts.
 Each (workload, router) gets fresh prompts (its own seed): no cache carries over between runs. Rounds interleave
 the routers, their order alternating. Reported per run: output tok/s, TTFT p50/p99, the replicas' prefix-cache
-hit rate over the run (their own counters), requests per replica; medians over rounds.
+hit rate over the run (their own counters) and the workload's ceiling (``hit_rate_ceiling``: what one replica that
+kept every block would have found), requests per replica; medians over rounds.
 
     python benchmarks/fleet_routing.py --rounds 2 --save benchmarks/results/fleet_routing.json
 
@@ -27,6 +29,7 @@ attention takes, its KV events on):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -42,10 +45,15 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers import PEERS, burstgate, free_port, loadtest, run_record, serving, start_vllm
 
 from loadtest.metrics import server_hit_rate
+from loadtest.workload import LocalCounter, conversations, fit, load_tokenizer, synthetic
 
 MODEL = "smollm2"
 ROUTERS_PYTHON = PEERS / "routers" / "bin" / "python"
 WORKLOADS = {
+    # vLLM production-stack's multi-round QA (--shared-system-prompt 1000 --user-history-prompt 2000 --answer-len
+    # 100 --num-rounds 5, a user's next question a while after its answer), scaled to these CPU replicas
+    "multi-round-qa": ["--endpoint", "chat", "--users", "24", "--turns", "4", "--system-prompt-len", "96",
+                       "--user-history-len", "256", "--question-len", "32", "--output-len", "16", "--think-time", "1"],
     "multi-turn": ["--endpoint", "chat", "--users", "16", "--turns", "4", "--system-prompt-len", "192",
                    "--question-len", "48", "--output-len", "16"],
     "shared-prefix": ["--endpoint", "chat", "--requests", "64", "--input-len", "448", "--prefix-len", "384",
@@ -145,7 +153,56 @@ def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]
     return total, requests
 
 
-def measure(target_url: str, workload: str, seed: int, replicas, logs: Path, name: str) -> dict:
+def hit_rate_ceiling(workload: list[str], seed: int, result: dict, block_size: int) -> float | None:
+    """The workload's maximum prefix-cache hit rate: every prompt of the run (rebuilt from the seed and the answers
+    the run got, rendered through the chat template as the replicas render it), in the order sent, finding every
+    full block that any earlier request computed (its prompt and its answer); an engine recomputes a prompt's
+    last token, so a prompt's last block counts only when a token follows it. One replica that kept every block
+    would reach it; a fleet reaches it only by sending each prompt where its blocks are. None when the run's
+    requests are not the workload's (a failed turn ends its conversation) or the rebuilt prompts' lengths are more
+    than 1% off the replicas' counts (a few later turns can differ by a token: unexplained, noted in
+    docs/performance.md)."""
+    tokenizer = load_tokenizer(None)
+    opts = dict(zip(workload[::2], workload[1::2]))  # every option here takes a value
+    number = {k: int(v) for k, v in opts.items() if v.isdigit()}
+    if "--users" in number:
+        specs = conversations(tokenizer, number["--users"], number["--turns"], number.get("--system-prompt-len", 0),
+                              number["--question-len"], number["--output-len"], seed,
+                              number.get("--user-history-len", 0))
+    else:  # fitted to the replicas' counts as the load tester fits them (the same tokenizer and template here)
+        specs = asyncio.run(fit(synthetic(tokenizer, number["--requests"], number["--input-len"],
+                                          number["--output-len"], seed, number.get("--prefix-len", 0),
+                                          number.get("--num-prefixes", 1)),
+                                LocalCounter(tokenizer, chat=True, name="replica's")))
+    if len(specs) != len(result["generated_texts"]):
+        return None
+    histories: dict[int, list[dict]] = {}
+    prompts: list[tuple[list[int], list[int]]] = []  # per request: its prompt, and the tokens it computed
+    for spec, answer in zip(specs, result["generated_texts"], strict=True):  # the runner's order of turns
+        history = histories.get(spec.conversation, [{"role": "system", "content": spec.system}] if spec.system else [])
+        messages = [*history, {"role": "user", "content": spec.prompt}]
+        prompt = tokenizer.apply_chat_template(messages)
+        answered = [*messages, {"role": "assistant", "content": answer}]  # rendered as the next turn carries it
+        computed = tokenizer.apply_chat_template(answered)[:len(prompt) + len(tokenizer.encode(answer))]
+        prompts.append((prompt, computed))
+        if spec.conversation is not None:
+            histories[spec.conversation] = answered
+    if sum(abs(len(p) - n) for (p, _), n in zip(prompts, result["input_lens"], strict=True)) > 0.01 * sum(result["input_lens"]):
+        return None
+    seen: set[tuple[int, ...]] = set()
+    found = total = 0
+    for i in sorted(range(len(prompts)), key=lambda i: result["start_times"][i]):
+        prompt, computed = prompts[i]
+        total += len(prompt)
+        for end in range(block_size, len(prompt), block_size):  # leading full blocks, the last token excluded
+            if tuple(prompt[:end]) not in seen:
+                break
+            found += block_size
+        seen.update(tuple(computed[:end]) for end in range(block_size, len(computed) + 1, block_size))
+    return found / total
+
+
+def measure(target_url: str, workload: str, seed: int, replicas, logs: Path, name: str, block_size: int) -> dict:
     before, requests_before = replica_figures(replicas)
     out = Path(tempfile.mkdtemp())
     result = loadtest(f"{target_url}#{MODEL}", out, *WORKLOADS[workload], "--temperature", "0", "--warmup", "0",
@@ -153,6 +210,7 @@ def measure(target_url: str, workload: str, seed: int, replicas, logs: Path, nam
     after, requests_after = replica_figures(replicas)
     row = {k: result.get(k) for k in METRICS}
     row["replica_hit_rate"] = server_hit_rate(before, after)
+    row["hit_rate_ceiling"] = hit_rate_ceiling(WORKLOADS[workload], seed, result, block_size)
     row["requests_per_replica"] = [a - b for a, b in zip(requests_after, requests_before, strict=True)]
     return row
 
@@ -198,11 +256,12 @@ def main() -> None:
                 for t, name in enumerate(order):
                     seed = 1000 * r + 10 * t + workloads.index(workload)
                     started = time.perf_counter()
-                    row = measure(targets[name], workload, seed, replicas, logs, name)
+                    row = measure(targets[name], workload, seed, replicas, logs, name, BLOCK_SIZE[args.engine])
                     runs.append({"round": r, "workload": workload, "target": name, "seed": seed,
                                  "seconds": time.perf_counter() - started, **row})
                     print(f"round {r} {workload:14s} {name:20s} {row['output_throughput']:7.1f} tok/s  TTFT p50 "
-                          f"{row['median_ttft_ms']:7.0f} ms  hit rate {row['replica_hit_rate'] or 0:.2f}  "
+                          f"{row['median_ttft_ms']:7.0f} ms  hit rate {row['replica_hit_rate'] or 0:.2f} "
+                          f"(ceiling {row['hit_rate_ceiling'] or float('nan'):.2f})  "
                           f"per replica {row['requests_per_replica']}", flush=True)
     table = summarize(runs)
     for line in table:

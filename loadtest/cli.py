@@ -127,11 +127,12 @@ def _unused(ctx: typer.Context) -> str | None:
         return "--sweep-rate sets the rate of each point: drop --rate"
     if p["sweep_concurrency"] and p["concurrency"] is not None:
         return "--sweep-concurrency sets the concurrency of each point: drop --concurrency"
-    conversational = ("turns", "system_prompt_len", "question_len", "think_time")
+    conversational = ("turns", "system_prompt_len", "user_history_len", "question_len", "think_time")
     if p["users"] and (given(ctx, "requests") or given(ctx, "input_len") or p["dataset"] or p["prefix_len"]):
         return "--users sends --users x --turns conversation turns: drop --requests, --input-len, --dataset, --prefix-len"
     if not p["users"] and any(given(ctx, n) for n in conversational):
-        return "--turns, --system-prompt-len, --question-len and --think-time shape conversations: add --users"
+        return ("--turns, --system-prompt-len, --user-history-len, --question-len and --think-time shape "
+                "conversations: add --users")
     if p["users"] and p["endpoint"] is not Endpoint.chat:
         return "--users sends multi-turn chat: add --endpoint chat"
     # a sweep and a capacity search pace their own points (one at a time, constant rates): --duration bounds each
@@ -190,6 +191,10 @@ def run(
     turns: Annotated[int, typer.Option(min=1, metavar="N", help="Questions per conversation.", rich_help_panel=CONVERSATIONS)] = 1,
     system_prompt_len: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn: tokens of the system "
                                                    "prompt every conversation shares.", rich_help_panel=CONVERSATIONS)] = 0,
+    user_history_len: Annotated[int, typer.Option(min=0, metavar="N", help="Multi-turn: tokens of each "
+                                                  "conversation's own context before its first question (earlier "
+                                                  "history, a document: production-stack's --user-history-prompt).",
+                                                  rich_help_panel=CONVERSATIONS)] = 0,
     question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Multi-turn: tokens of each question.", rich_help_panel=CONVERSATIONS)] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Multi-turn: seconds between an answer "
                                               "and the next question.", rich_help_panel=CONVERSATIONS)] = 0.0,
@@ -260,7 +265,8 @@ def run(
         workload = Workload(users * turns if users else requests, _length(input_len, "--input-len"),
                             _length(output_len, "--output-len"), dataset, prefix_len, num_prefixes,
                             paper=preset is Preset.paper, users=users, turns=turns,
-                            system_prompt_len=system_prompt_len, question_len=question_len, trace=trace,
+                            system_prompt_len=system_prompt_len, question_len=question_len,
+                            user_history_len=user_history_len, trace=trace,
                             trace_block_size=trace_block_size, time_scale=time_scale)
         if trace is not None and (sweep or capacity):
             workload.trace_rate()  # the rate a sweep or search scales the trace from

@@ -58,6 +58,7 @@ class Workload:
     turns: int = 1
     system_prompt_len: int = 0
     question_len: int = 0
+    user_history_len: int = 0  # each conversation's own context before its first question
     trace: Path | None = None  # a trace to replay (loadtest/trace.py), at its own times x ``time_scale``
     trace_block_size: int = MOONCAKE_BLOCK_SIZE
     time_scale: float = 1.0
@@ -92,7 +93,7 @@ class Workload:
         if self.conversational:
             output = self.output_len if isinstance(self.output_len, int) else self.output_len[1]
             return conversations(tokenizer, self.users, self.turns, self.system_prompt_len, self.question_len,
-                                 output, seed)
+                                 output, seed, self.user_history_len)
         if self.paper:
             return paper_preset(tokenizer, self.output_len, self.requests, seed)
         if self.dataset is not None:
@@ -128,7 +129,8 @@ class Workload:
         if self.trace is not None:
             return describe_trace(self.trace, self._trace, self.trace_block_size, self.time_scale)
         if self.conversational:
-            return (f"multi-turn users={self.users} turns={self.turns} system={self.system_prompt_len} "
+            history = f" history={self.user_history_len}" if self.user_history_len else ""
+            return (f"multi-turn users={self.users} turns={self.turns} system={self.system_prompt_len}{history} "
                     f"question={self.question_len} out={_text(self.output_len)}")
         if self.paper:
             return f"paper preset n={self.requests} in=512 out={_text(self.output_len)}"

@@ -134,17 +134,22 @@ def paper_preset(tokenizer: TokenizerLike, output_len: int | tuple[int, int] = 1
 
 
 def conversations(tokenizer: TokenizerLike, users: int, turns: int, system_len: int, question_len: int,
-                  output_len: int, seed: int = 0) -> list[RequestSpec]:
+                  output_len: int, seed: int = 0, history_len: int = 0) -> list[RequestSpec]:
     """Multi-turn chat sessions (the shape of vLLM production-stack's multi-round QA): ``users`` conversations of
     ``turns`` questions of ``question_len`` tokens each, all after one shared system prompt of ``system_len``
-    tokens; every turn carries the whole conversation so far, the model's answers included, so a server that
-    keeps the history's KV cache prefills only the new question."""
+    tokens, the first question after ``history_len`` tokens of the user's own context (production-stack's
+    ``--user-history-prompt``: earlier history, a document); every turn carries the whole conversation so far,
+    the model's answers included, so a server that keeps the history's KV cache prefills only the new question."""
     rng = random.Random(seed)
     vocab = _plain_vocab(tokenizer)
     system = exact_length_prompt(tokenizer, system_len, rng, vocab) if system_len else ""
-    return [RequestSpec(exact_length_prompt(tokenizer, question_len, rng, vocab), question_len, output_len,
-                        conversation=user, system=system)
-            for user in range(users) for _ in range(turns)]
+    specs = []
+    for user in range(users):
+        for turn in range(turns):
+            length = question_len + (history_len if turn == 0 else 0)
+            specs.append(RequestSpec(exact_length_prompt(tokenizer, length, rng, vocab), length, output_len,
+                                     conversation=user, system=system))
+    return specs
 
 
 # ------------------------------------------------------------------------ lengths as the target counts

@@ -121,10 +121,11 @@ def build_workload(requests: int, input_len: int, output_len: int | None, rate: 
                    seed: int, prefix_len: int = 0, num_prefixes: int = 1, users: int = 0, turns: int = 1,
                    system_prompt_len: int = 0, question_len: int = 64, think_time: float = 0.0,
                    trace: Path | None = None, time_scale: float = 1.0, dataset: Path | None = None,
-                   tokenizer=None) -> list:
+                   tokenizer=None, user_history_len: int = 0) -> list:
     """The simulated requests the options describe, named as the load tester names them: a trace, a load-test
     dataset (its prompts through ``tokenizer``; its own output lengths unless ``output_len``), ``users``
-    conversations of ``turns`` turns sharing a ``system_prompt_len`` system prompt (started at ``rate``), or
+    conversations of ``turns`` turns sharing a ``system_prompt_len`` system prompt, each with ``user_history_len``
+    tokens of its own before its first question (started at ``rate``), or
     ``requests`` single prompts (sharing ``prefix_len`` tokens within ``num_prefixes`` groups)."""
     from backends.sim import virtual
     from loadtest.schedule import Schedule, arrival_offsets
@@ -147,7 +148,7 @@ def build_workload(requests: int, input_len: int, output_len: int | None, rate: 
     output_len = output_len or 128
     if users:
         return virtual.conversation_workload(users, turns, system_prompt_len, question_len, output_len, offsets,
-                                             think_time, seed)
+                                             think_time, seed, user_history_len)
     return virtual.burst_workload(requests, input_len, output_len, offsets, seed, prefix_len, num_prefixes)
 
 
@@ -158,7 +159,8 @@ def _conflict(ctx: typer.Context, users: int) -> str | None:
                               if n in set_here]):
         return (f"--users sends --users x --turns conversation turns: drop "
                 f"{', '.join('--' + n.replace('_', '-') for n in shaping)}")
-    if not users and (talk := [n for n in ("turns", "system_prompt_len", "question_len", "think_time") if n in set_here]):
+    conversational = ("turns", "system_prompt_len", "user_history_len", "question_len", "think_time")
+    if not users and (talk := [n for n in conversational if n in set_here]):
         return f"{', '.join('--' + n.replace('_', '-') for n in talk)} shape conversations: add --users"
     return None
 
@@ -232,6 +234,9 @@ def run(
                                        rich_help_panel=CONVERSATIONS)] = 1,
     system_prompt_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens of the system prompt every "
                                                    "conversation shares.", rich_help_panel=CONVERSATIONS)] = 0,
+    user_history_len: Annotated[int, typer.Option(min=0, metavar="N", help="Tokens of each conversation's own "
+                                                  "context before its first question.",
+                                                  rich_help_panel=CONVERSATIONS)] = 0,
     question_len: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens of each question.",
                                               rich_help_panel=CONVERSATIONS)] = 64,
     think_time: Annotated[float, typer.Option(min=0, metavar="S", help="Seconds between an answer and the next "
@@ -264,7 +269,7 @@ def run(
         tokenizer = engine_tokenizer(engine)
         work = build_workload(requests, input_len, output_len, rate, arrivals, seed, prefix_len, num_prefixes, users,
                               turns, system_prompt_len, question_len, think_time, trace, time_scale, dataset,
-                              tokenizer)
+                              tokenizer, user_history_len)
         fleet = VirtualFleet(engine, replicas, routing_config(routing, routing_option or []), tokenizer, seed=seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

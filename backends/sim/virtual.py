@@ -252,9 +252,12 @@ def burst_workload(n: int, input_len: int, output_len: int, arrivals: list[float
 
 
 def conversation_workload(users: int, turns: int, system_len: int, question_len: int, output_len: int,
-                          arrivals: list[float], think_s: float = 0.0, seed: int = 0) -> list[SimRequest]:
-    """``users`` conversations sharing one system prompt, each ``turns`` turns long, started at ``arrivals``;
-    every turn after the first is sent ``think_s`` after the previous answer, with the whole history."""
+                          arrivals: list[float], think_s: float = 0.0, seed: int = 0,
+                          history_len: int = 0) -> list[SimRequest]:
+    """``users`` conversations sharing one system prompt, each ``turns`` turns long, started at ``arrivals``, the
+    first question after ``history_len`` tokens of the user's own context (the load tester's
+    ``--user-history-len``); every turn after the first is sent ``think_s`` after the previous answer, with the
+    whole history."""
     rng = random.Random(seed)
     system = _tokens(rng, system_len)
     requests = []
@@ -262,7 +265,8 @@ def conversation_workload(users: int, turns: int, system_len: int, question_len:
         chain: SimTurn | None = None
         for _ in range(turns - 1):
             chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain)
-        requests.append(SimRequest(at, system + _tokens(rng, question_len), output_len, f"user-{user}", chain))
+        first = system + _tokens(rng, history_len + question_len)
+        requests.append(SimRequest(at, first, output_len, f"user-{user}", chain))
     return requests
 
 

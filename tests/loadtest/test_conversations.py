@@ -34,11 +34,25 @@ def test_each_turn_carries_the_history_and_the_server_serves_it_from_its_cache(s
     assert result.summary["server_prefix_cache_hit_rate"] > 0.3
 
 
+def test_a_users_own_history_opens_the_conversation_exactly_as_long_as_asked():
+    """production-stack's multi-round QA shape: a shared system prompt, then each user's own context (earlier
+    history, a document) before the first question; later turns add only their question."""
+    tokenizer = load_tokenizer(None)
+    specs = conversations(tokenizer, users=2, turns=3, system_len=40, question_len=12, output_len=6, seed=1,
+                          history_len=200)
+    assert [s.prompt_tokens for s in specs] == [212, 12, 12, 212, 12, 12]
+    assert [len(tokenizer.encode(s.prompt, add_special_tokens=False)) for s in specs] == [212, 12, 12] * 2
+    assert specs[0].prompt[:200] != specs[3].prompt[:200]
+    plain = conversations(tokenizer, users=2, turns=3, system_len=40, question_len=12, output_len=6, seed=1)
+    assert [s.prompt_tokens for s in plain] == [12] * 6
+
+
 def test_the_cli_refuses_conversation_options_that_would_do_nothing():
     runner = CliRunner()
     base = ["loadtest", "run", "--target", "http://127.0.0.1:9#m"]
     for extra, said in ((["--users", "2"], "--endpoint chat"),
                         (["--turns", "3"], "add --users"),
+                        (["--user-history-len", "300"], "add --users"),
                         (["--users", "2", "--endpoint", "chat", "--requests", "5"], "drop --requests"),
                         (["--users", "2", "--endpoint", "chat", "--workers", "2"], "one client process")):
         out = runner.invoke(cli, base + extra)

@@ -57,6 +57,15 @@ def test_each_turn_of_a_conversation_carries_the_whole_history(h100):
     assert prompts == [320, 320, 350, 350, 380, 380]  # + the previous answer (10) and question (20) per turn
 
 
+def test_a_users_own_history_comes_before_the_first_question_and_stays_in_every_turn(h100):
+    requests = conversation_workload(users=2, turns=2, system_len=300, question_len=20, output_len=10,
+                                     arrivals=[0.0, 0.0], history_len=500)
+    assert requests[0].prompt[:300] == requests[1].prompt[:300]  # the system prompt, shared
+    assert requests[0].prompt[300:800] != requests[1].prompt[300:800]  # each user's own context
+    result = h100(1).run(requests)
+    assert sorted(r.prompt_tokens for r in result.records) == [820, 820, 850, 850]
+
+
 def test_cache_aware_routing_keeps_conversations_where_their_prefix_is_cached(h100):
     requests = conversation_workload(users=8, turns=4, system_len=512, question_len=64, output_len=16,
                                      arrivals=[0.2 * i for i in range(8)], think_s=0.5)
