@@ -11,6 +11,9 @@ Workloads (burstgate's load tester, one client for all, chat completions: SGLang
 its OpenAI mode): multi-round QA (production-stack's shape: a shared system prompt, each user's own history,
 questions after a think time), multi-turn (users x turns, each turn sent as soon as the last was answered),
 shared-prefix (groups of prompts behind a few long shared prefixes) and random prompts.
+With ``--two-gateways POLICY``, two gateways of that policy behind HAProxy (HTTP mode, round robin request by
+request, as gateway replicas behind a Service): a conversation's turns alternate between them, each gateway routing
+on what the engines report, not on its own half of the traffic.
 Each (workload, router) gets fresh prompts (its own seed): no cache carries over between runs. Rounds interleave
 the routers, their order alternating. Reported per run: output tok/s, TTFT p50/p99, the replicas' prefix-cache
 hit rate over the run (their own counters) and the workload's ceiling (``hit_rate_ceiling``: what one replica that
@@ -33,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -66,6 +70,7 @@ WORKLOADS = {
 # gateway targets: a policy, optionally @ cache_aware's load_cost_tokens; _precise follows the replicas' KV events
 POLICIES = ["round_robin", "least_outstanding", "prefix_affinity", "cache_aware@256", "cache_aware@64",
             "cache_aware_precise@64", "cache_aware@auto", "cache_aware_precise@auto"]
+HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")  # `make system-packages`
 BLOCK_SIZE = {"native": 16, "vllm": 32}  # tokens per KV block of each engine (vLLM's CPU attention: a multiple of 32)
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "p90_ttft_ms", "completed", "failed")
 
@@ -117,6 +122,25 @@ def gateway_command(target: str, replicas: list[tuple[str, str]], port: int, blo
     config = Path(tempfile.mkdtemp()) / "gateway.json"
     config.write_text(json.dumps({"models": [{"name": MODEL, "routing": routing, "deployments": deployments}]}))
     return burstgate("serve", "--port", str(port), "--config", str(config), "--log-level", "warning")
+
+
+def two_gateways(stack: contextlib.ExitStack, policy: str, replicas: list[tuple[str, str]], block_size: int,
+                 logs: Path) -> str:
+    """Two gateways of ``policy`` in front of ``replicas``, behind HAProxy balancing request by request: its URL."""
+    ports = [free_port(), free_port()]
+    for k, port in enumerate(ports):
+        stack.enter_context(serving(gateway_command(policy, replicas, port, block_size), port,
+                                    log=logs / f"gateway-{policy}-{k}.log"))
+    listen = free_port()
+    config = logs / f"haproxy-{policy}.cfg"
+    config.write_text("\n".join([
+        "defaults", "  mode http", "  timeout connect 2s", "  timeout client 600s", "  timeout server 600s",
+        "frontend gateways", f"  bind 127.0.0.1:{listen}", "  default_backend gateways",
+        "backend gateways", "  balance roundrobin", *(f"  server g{k} 127.0.0.1:{port}" for k, port in enumerate(ports))
+    ]) + "\n")
+    if HAPROXY is None:
+        raise RuntimeError("haproxy is not installed (make system-packages)")
+    return stack.enter_context(serving([HAPROXY, "-f", str(config)], listen, log=logs / f"haproxy-{policy}.log"))
 
 
 def router_command(kind: str, replicas: list[tuple[str, str]], port: int, block_size: int) -> list[str]:
@@ -221,6 +245,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
     ap.add_argument("--policy", action="append", choices=POLICIES, help="gateway targets (default: all)")
+    ap.add_argument("--two-gateways", action="append", default=[], choices=POLICIES,
+                    help="also this policy in two gateways behind a load balancer alternating request by request")
     ap.add_argument("--no-peers", action="store_true", help="leave SGLang's and vLLM's routers out")
     ap.add_argument("--skip-peer", action="append", default=[], choices=["sglang-router", "vllm-router", "vllm-router-kv"],
                     help="leave this one of the field's routers out")
@@ -242,6 +268,8 @@ def main() -> None:
             command = gateway_command(policy, replicas, port, BLOCK_SIZE[args.engine])
             targets[policy] = stack.enter_context(serving(command, port,
                                                           log=logs / f"gateway-{policy}.log"))
+        for policy in args.two_gateways:
+            targets[f"{policy} x2"] = two_gateways(stack, policy, replicas, BLOCK_SIZE[args.engine], logs)
         for peer in peers:
             port = free_port()
             try:
@@ -284,7 +312,9 @@ def summarize(runs: list[dict]) -> list[str]:
                 rows.setdefault(r["target"], []).append(r)
         base = statistics.median(r["output_throughput"] for r in rows.get("round_robin", [])) if "round_robin" in \
             rows else None
-        lines.append(f"{workload}: target, output tok/s (x round robin), TTFT p50 / p99 ms, replica hit rate")
+        ceilings = [r["hit_rate_ceiling"] for r in measured if r["workload"] == workload and r.get("hit_rate_ceiling")]
+        ceiling = f" (the workload's ceiling: {statistics.median(ceilings):.2f})" if ceilings else ""
+        lines.append(f"{workload}: target, output tok/s (x round robin), TTFT p50 / p99 ms, replica hit rate{ceiling}")
         for target, rs in rows.items():
             tput = statistics.median(r["output_throughput"] for r in rs)
             hit = [r["replica_hit_rate"] for r in rs if r["replica_hit_rate"] is not None]
