@@ -58,6 +58,10 @@ WORKLOADS = {
     # 100 --num-rounds 5, a user's next question a while after its answer), scaled to these CPU replicas
     "multi-round-qa": ["--endpoint", "chat", "--users", "24", "--turns", "4", "--system-prompt-len", "96",
                        "--user-history-len", "256", "--question-len", "32", "--output-len", "16", "--think-time", "1"],
+    # the same with users joining over time, as production-stack's do (2 a second), instead of all at t = 0
+    "multi-round-qa-joining": ["--endpoint", "chat", "--users", "24", "--turns", "4", "--system-prompt-len", "96",
+                               "--user-history-len", "256", "--question-len", "32", "--output-len", "16",
+                               "--think-time", "1", "--schedule", "constant", "--rate", "2"],
     "multi-turn": ["--endpoint", "chat", "--users", "16", "--turns", "4", "--system-prompt-len", "192",
                    "--question-len", "48", "--output-len", "16"],
     "shared-prefix": ["--endpoint", "chat", "--requests", "64", "--input-len", "448", "--prefix-len", "384",
