@@ -114,8 +114,8 @@ class Workload:
         if n == 0:
             return []
         if self.conversational:
-            return synthetic(tokenizer, n, max(1, self.system_prompt_len + self.question_len),
-                             measured[0].max_tokens, seed)
+            first_turn = self.system_prompt_len + self.user_history_len + self.question_len
+            return synthetic(tokenizer, n, max(1, first_turn), measured[0].max_tokens, seed)
         if self.trace is not None:
             lengths = sorted(s.prompt_tokens for s in measured)
             return synthetic(tokenizer, n, max(1, lengths[len(lengths) // 2]),

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from gateway.cli import app as cli
 from loadtest.client import RequestOptions, Target
 from loadtest.runner import RunConfig, run_target
+from loadtest.session import Workload
 from loadtest.workload import conversations, load_tokenizer
 from tests.conftest import MODEL
 
@@ -45,6 +46,13 @@ def test_a_users_own_history_opens_the_conversation_exactly_as_long_as_asked():
     assert specs[0].prompt[:200] != specs[3].prompt[:200]
     plain = conversations(tokenizer, users=2, turns=3, system_len=40, question_len=12, output_len=6, seed=1)
     assert [s.prompt_tokens for s in plain] == [12] * 6
+
+
+def test_a_conversations_warm_up_prompts_are_as_long_as_a_first_turn():
+    tokenizer = load_tokenizer(None)
+    workload = Workload(6, 0, 6, users=2, turns=3, system_prompt_len=40, question_len=12, user_history_len=200)
+    warm = workload.warmup(tokenizer, 9, 3, workload.build(tokenizer, 1))
+    assert [s.prompt_tokens for s in warm] == [252] * 3 and all(s.max_tokens == 6 for s in warm)
 
 
 def test_the_cli_refuses_conversation_options_that_would_do_nothing():
