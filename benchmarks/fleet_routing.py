@@ -49,6 +49,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from peers import PEERS, burstgate, free_port, loadtest, run_record, serving, start_vllm
 
 from loadtest.metrics import server_hit_rate
+from loadtest.session import prompt_seed
 from loadtest.workload import LocalCounter, conversations, fit, load_tokenizer, synthetic
 
 MODEL = "smollm2"
@@ -131,6 +132,8 @@ def gateway_command(target: str, replicas: list[tuple[str, str]], port: int, blo
 def two_gateways(stack: contextlib.ExitStack, policy: str, replicas: list[tuple[str, str]], block_size: int,
                  logs: Path) -> str:
     """Two gateways of ``policy`` in front of ``replicas``, behind HAProxy balancing request by request: its URL."""
+    if HAPROXY is None:
+        raise RuntimeError("haproxy is not installed (make system-packages)")
     ports = [free_port(), free_port()]
     for k, port in enumerate(ports):
         stack.enter_context(serving(gateway_command(policy, replicas, port, block_size), port,
@@ -142,8 +145,6 @@ def two_gateways(stack: contextlib.ExitStack, policy: str, replicas: list[tuple[
         "frontend gateways", f"  bind 127.0.0.1:{listen}", "  default_backend gateways",
         "backend gateways", "  balance roundrobin", *(f"  server g{k} 127.0.0.1:{port}" for k, port in enumerate(ports))
     ]) + "\n")
-    if HAPROXY is None:
-        raise RuntimeError("haproxy is not installed (make system-packages)")
     return stack.enter_context(serving([HAPROXY, "-f", str(config)], listen, log=logs / f"haproxy-{policy}.log"))
 
 
@@ -182,24 +183,26 @@ def replica_figures(replicas: list[tuple[str, str]]) -> tuple[dict, list[float]]
 
 
 def hit_rate_ceiling(workload: list[str], seed: int, result: dict, block_size: int) -> float | None:
-    """The workload's maximum prefix-cache hit rate: every prompt of the run (rebuilt from the seed and the answers
-    the run got, rendered through the chat template as the replicas render it), in the order sent, finding every
-    full block that any earlier request computed (its prompt and its answer); an engine recomputes a prompt's
+    """The workload's maximum prefix-cache hit rate: every prompt of the run (rebuilt as the load tester built
+    them from ``--seed`` ``seed``, with the answers the run got, rendered through the chat template as the replicas
+    render it), in the order sent, finding every full block that any earlier request of the run computed (its
+    prompt and its answer but the answer's last token, whose KV nobody computes); an engine recomputes a prompt's
     last token, so a prompt's last block counts only when a token follows it. One replica that kept every block
-    would reach it; a fleet reaches it only by sending each prompt where its blocks are. None when the run's
-    requests are not the workload's (a failed turn ends its conversation) or the rebuilt prompts' lengths are more
-    than 1% off the replicas' counts (a few later turns can differ by a token: unexplained, noted in
-    docs/performance.md)."""
+    would reach it; a fleet reaches it only by sending each prompt where its blocks are. Blocks cached by earlier
+    runs (the chat template's opening, the same in every prompt) are not counted: a replica can find a little more.
+    None when the run's requests are not the workload's (a failed turn ends its conversation) or the replicas
+    counted other prompts."""
     tokenizer = load_tokenizer(None)
     opts = dict(zip(workload[::2], workload[1::2]))  # every option here takes a value
     number = {k: int(v) for k, v in opts.items() if v.isdigit()}
-    if "--users" in number:
-        specs = conversations(tokenizer, number["--users"], number["--turns"], number.get("--system-prompt-len", 0),
-                              number["--question-len"], number["--output-len"], seed,
-                              number.get("--user-history-len", 0))
+    built = prompt_seed(seed, 0, 0)  # the first target's first point, as loadtest/session.py seeds it
+    if "--users" in number:  # the load tester's defaults where the workload leaves an option out
+        specs = conversations(tokenizer, number["--users"], number.get("--turns", 1),
+                              number.get("--system-prompt-len", 0), number.get("--question-len", 64),
+                              number["--output-len"], built, number.get("--user-history-len", 0))
     else:  # fitted to the replicas' counts as the load tester fits them (the same tokenizer and template here)
         specs = asyncio.run(fit(synthetic(tokenizer, number["--requests"], number["--input-len"],
-                                          number["--output-len"], seed, number.get("--prefix-len", 0),
+                                          number["--output-len"], built, number.get("--prefix-len", 0),
                                           number.get("--num-prefixes", 1)),
                                 LocalCounter(tokenizer, chat=True, name="replica's")))
     if len(specs) != len(result["generated_texts"]):
@@ -211,11 +214,11 @@ def hit_rate_ceiling(workload: list[str], seed: int, result: dict, block_size: i
         messages = [*history, {"role": "user", "content": spec.prompt}]
         prompt = tokenizer.apply_chat_template(messages)
         answered = [*messages, {"role": "assistant", "content": answer}]  # rendered as the next turn carries it
-        computed = tokenizer.apply_chat_template(answered)[:len(prompt) + len(tokenizer.encode(answer))]
+        computed = tokenizer.apply_chat_template(answered)[:len(prompt) + len(tokenizer.encode(answer)) - 1]
         prompts.append((prompt, computed))
         if spec.conversation is not None:
             histories[spec.conversation] = answered
-    if sum(abs(len(p) - n) for (p, _), n in zip(prompts, result["input_lens"], strict=True)) > 0.01 * sum(result["input_lens"]):
+    if [len(prompt) for prompt, _ in prompts] != result["input_lens"]:
         return None
     seen: set[tuple[int, ...]] = set()
     found = total = 0
@@ -316,7 +319,8 @@ def summarize(runs: list[dict]) -> list[str]:
                 rows.setdefault(r["target"], []).append(r)
         base = statistics.median(r["output_throughput"] for r in rows.get("round_robin", [])) if "round_robin" in \
             rows else None
-        ceilings = [r["hit_rate_ceiling"] for r in measured if r["workload"] == workload and r.get("hit_rate_ceiling")]
+        ceilings = [r["hit_rate_ceiling"] for r in measured
+                    if r["workload"] == workload and r.get("hit_rate_ceiling") is not None]
         ceiling = f" (the workload's ceiling: {statistics.median(ceilings):.2f})" if ceilings else ""
         lines.append(f"{workload}: target, output tok/s (x round robin), TTFT p50 / p99 ms, replica hit rate{ceiling}")
         for target, rs in rows.items():

@@ -62,7 +62,8 @@ def replayed(result: dict) -> list:
 
 
 def conversations(result: dict, users: int, turns: int, output_len: int) -> list:
-    """Conversations whose first prompt and growth per turn are the real run's (template tokens included)."""
+    """Conversations whose first prompt and growth per turn are the real run's (template tokens included); the
+    first prompt is taken as shared, as sim_fidelity's runs have no per-user history (--user-history-len)."""
     from backends.sim.virtual import conversation_workload
 
     lengths = sorted(result["input_lens"])

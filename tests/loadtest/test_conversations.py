@@ -53,6 +53,7 @@ def test_a_conversations_warm_up_prompts_are_as_long_as_a_first_turn():
     workload = Workload(6, 0, 6, users=2, turns=3, system_prompt_len=40, question_len=12, user_history_len=200)
     warm = workload.warmup(tokenizer, 9, 3, workload.build(tokenizer, 1))
     assert [s.prompt_tokens for s in warm] == [252] * 3 and all(s.max_tokens == 6 for s in warm)
+    assert "system=40 history=200 question=12" in workload.describe()
 
 
 def test_the_cli_refuses_conversation_options_that_would_do_nothing():

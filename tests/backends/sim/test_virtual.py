@@ -143,6 +143,7 @@ def test_sim_run_names_conversations_as_the_load_tester_does():
 @pytest.mark.parametrize(("args", "says"), [
     (["--turns", "3"], "add --users"),
     (["--system-prompt-len", "100"], "add --users"),
+    (["--user-history-len", "100"], "add --users"),
     (["--users", "2", "--requests", "5"], "drop --requests"),
     (["--users", "2", "--prefix-len", "100"], "drop --prefix-len"),
 ])
