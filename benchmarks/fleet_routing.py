@@ -48,6 +48,7 @@ import httpx
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import PEERS, burstgate, free_port, loadtest, run_record, serving, start_vllm
 
+from backends.native.block_hash import block_hashes
 from loadtest.metrics import server_hit_rate
 from loadtest.session import prompt_seed
 from loadtest.workload import LocalCounter, conversations, fit, load_tokenizer, synthetic
@@ -220,16 +221,16 @@ def hit_rate_ceiling(workload: list[str], seed: int, result: dict, block_size: i
             histories[spec.conversation] = answered
     if [len(prompt) for prompt, _ in prompts] != result["input_lens"]:
         return None
-    seen: set[tuple[int, ...]] = set()
+    seen: set[bytes] = set()  # the engines' chained block keys
     found = total = 0
     for i in sorted(range(len(prompts)), key=lambda i: result["start_times"][i]):
         prompt, computed = prompts[i]
         total += len(prompt)
-        for end in range(block_size, len(prompt), block_size):  # leading full blocks, the last token excluded
-            if tuple(prompt[:end]) not in seen:
+        for key in block_hashes(prompt[:-1], block_size):  # leading full blocks, the last token excluded
+            if key not in seen:
                 break
             found += block_size
-        seen.update(tuple(computed[:end]) for end in range(block_size, len(computed) + 1, block_size))
+        seen.update(block_hashes(computed, block_size))
     return found / total
 
 
