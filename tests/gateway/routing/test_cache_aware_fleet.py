@@ -56,7 +56,8 @@ def _converse(clients: list[OpenAI], users: list[str], system: dict, turns: int 
     """Each user's turns sent in turn through ``clients``, one after the other (a client per turn, cycling),
     ``think_s`` between an answer and the next question."""
     for user in users:
-        messages = [system, {"role": "user", "content": f"I am {user}. What is for dinner at sea?"}]
+        log = " ".join(f"On day {day} {user} sailed {day * 7 % 31} miles." for day in range(1, 16))  # ~200 tokens
+        messages = [system, {"role": "user", "content": f"I am {user}. My log: {log} What is for dinner at sea?"}]
         for turn in range(turns):
             if turn:
                 time.sleep(think_s)
