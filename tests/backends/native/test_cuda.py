@@ -19,7 +19,7 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.cuda_graphs import capture_sizes
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy, parity_prompts, prefill_batch
+from tests.backends.native.reference import hf_greedy_batch, parity_prompts, prefill_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,7 +41,7 @@ def _hf(path, dtype):
 def reference(smollm2_path, prompts):
     """transformers in fp32 on the same GPU (TF32 off, torch's default for matmuls)."""
     model = _hf(smollm2_path, torch.float32)
-    refs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+    refs = hf_greedy_batch(model, prompts, NEW_TOKENS)
     del model
     torch.cuda.empty_cache()
     return refs

@@ -14,9 +14,9 @@ import torch
 from backends.base import SamplingParams
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy, parity_prompts, prefill_batch
+from tests.backends.native.reference import hf_greedy_batch, parity_prompts, prefill_batch
 
-NEW_TOKENS = 32  # enough to compound any drift; transformers' reference is most of this file's time
+NEW_TOKENS = 32  # enough to compound any drift
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> list[list[int]]:
     return parity_prompts(smollm2_tokenizer)
@@ -24,7 +24,7 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf_smollm2, prompts):
-    return [hf_greedy(hf_smollm2, p, NEW_TOKENS) for p in prompts]
+    return hf_greedy_batch(hf_smollm2, prompts, NEW_TOKENS)
 
 
 def _engine(tokenizer, **overrides) -> LLMEngine:

@@ -15,7 +15,7 @@ from backends.native.batch import Batch
 from backends.native.config import EngineConfig, ModelConfig
 from backends.native.engine import LLMEngine
 from backends.native.model_runner import build_model
-from tests.backends.native.reference import hf_greedy, prefill_batch
+from tests.backends.native.reference import hf_greedy_batch, prefill_batch
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -65,7 +65,7 @@ def test_greedy_and_logits_match(case, smollm2_tokenizer):
     hf, path = case
     engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", max_num_batched_tokens=40), tokenizer=smollm2_tokenizer)
     prompts = [smollm2_tokenizer.encode(p) for p in PROMPTS]
-    refs = [hf_greedy(hf, p, 12) for p in prompts]
+    refs = hf_greedy_batch(hf, prompts, 12)
 
     # Batched prefill logits, one flat batch.
     logits = engine.runner.execute(prefill_batch(prompts, engine.blocks.block_size)[0])

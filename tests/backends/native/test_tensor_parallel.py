@@ -21,7 +21,7 @@ import torch
 from backends.base import SamplingParams
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
-from tests.backends.native.reference import hf_greedy
+from tests.backends.native.reference import hf_greedy_batch
 from tests.backends.native.splits import assert_losing_a_rank_fails_requests_and_health, rank_weight_bytes, served
 
 NEW_TOKENS = 24
@@ -71,7 +71,7 @@ def model(request, tmp_path_factory, smollm2_tokenizer, prompts):
     overrides, sizes = (SCALED_DESIGN, (2, 4)) if request.param.startswith("design") else (REPLICATED, (4,))
     path = tmp_path_factory.mktemp(request.param)
     hf = _save_hf_model(path, overrides, smollm2_tokenizer)
-    return path, [hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts], sizes
+    return path, [tokens for tokens, _ in hf_greedy_batch(hf, prompts, NEW_TOKENS)], sizes
 
 
 def test_every_split_equals_one_rank_and_transformers(model, prompts, smollm2_tokenizer):
