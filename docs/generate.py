@@ -388,10 +388,14 @@ def _fidelity(name: str, data: dict) -> list[str]:
     gpu = data.get("gpu")
     if gpu:
         tables = {gpu["profile"]: gpu["fidelity"]}
-    else:  # one table per profile compared on the same real runs
-        by_profile = data.get("fidelity_by_profile") or {data.get("profile", "the CPU profile"): data["fidelity"]}
+    else:  # one table per profile compared on the same real runs; the real-time fleet against the virtual clock
+        by_profile = data.get("fidelity_by_profile") or (
+            {data.get("profile", "the CPU profile"): data["fidelity"]} if "fidelity" in data else {})
         tables = {profile: {w: kinds["with_frontend"] for w, kinds in rows.items()}
                   for profile, rows in by_profile.items()}
+        if agreement := data.get("agreement"):
+            fleet = f"real time vs virtual clock, {agreement['replicas']} replicas at {agreement['rate']:g} req/s"
+            tables.setdefault("h100", {})[fleet] = agreement["with_frontend"]
     several = len(tables) > 1
     header = ["Profile"] * several + ["Workload", "Output tok/s", "TTFT p50", "TTFT p99", "TPOT p50"]
     lines = []
@@ -402,7 +406,8 @@ def _fidelity(name: str, data: dict) -> list[str]:
             lines.append("| " + (f"{Path(profile).stem} | " if several else "") + f"{workload} | "
                          + " | ".join(cells) + " |")
     against = (f"the 12.3B model served on the GPU ({gpu['real']}), the simulator's {gpu['profile']} profile, an "
-               "ideal front end" if gpu else "the simulator's fitted profile of this CPU")
+               "ideal front end" if gpu else "the simulator's fitted profile of this CPU; a simulated fleet served "
+               "in real time against the same fleet on the virtual clock")
     return [*_table(name, data, header, lines), f"Simulated / real, same requests: {against}.", ""]
 
 
