@@ -41,7 +41,7 @@ WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
     "mixed": ["--requests", "64", "--input-len", "32:512", "--output-len", "16:256"],
     "paper_scaled": ["--requests", "32", "--input-len", "512", "--output-len", "64"],
     "poisson": ["--requests", "60", "--input-len", "128", "--output-len", "32", "--rate", "1", "--schedule", "poisson"],
-    "multi_turn": ["--endpoint", "chat", "--users", "4", "--turns", "3", "--system-prompt-len", "256", "--question-len", "32",
+    "multi_turn": ["--endpoint", "chat", "--users", "8", "--turns", "4", "--system-prompt-len", "256", "--question-len", "32",
                    "--output-len", "32"],
 }
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
@@ -61,15 +61,35 @@ def replayed(result: dict) -> list:
     return requests
 
 
-def conversations(result: dict, users: int, turns: int, output_len: int) -> list:
+def conversations(result: dict, users: int, turns: int, output_len: int, cached: list[int] | None = None) -> list:
     """Conversations whose first prompt and growth per turn are the real run's (template tokens included); the
-    first prompt is taken as shared, as sim_fidelity's runs have no per-user history (--user-history-len)."""
+    first prompt is taken as shared, as sim_fidelity's runs have no per-user history (--user-history-len). With
+    ``cached`` (each real request's cached prompt tokens), each later turn's history comes back as it did to the
+    real server: as far as its cache found it, the rest re-rendered (``SimTurn.kept``: an answer generated past
+    its end-of-turn token with ignore_eos does not tokenize back to the ids generated)."""
     from backends.sim.virtual import conversation_workload
 
     lengths = sorted(result["input_lens"])
     first, last = lengths[0], lengths[-1]
     question = (last - first) // (turns - 1) - output_len  # each turn adds an answer and a question
-    return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users)
+    kept = None
+    if cached is not None:  # turn k's requests are the k-th shortest group of ``users``
+        by_length = [c for _, c in sorted(zip(result["input_lens"], cached))]
+        kept = [sorted(by_length[k * users:(k + 1) * users])[users // 2] for k in range(1, turns)]
+    return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users, kept=kept)
+
+
+def conversation_shape(options: list[str]) -> tuple[int, int, int]:
+    """Users, turns and output length of a multi-turn workload's loadtest options."""
+    users, turns, output_len = (int(options[options.index(o) + 1]) for o in ("--users", "--turns", "--output-len"))
+    return users, turns, output_len
+
+
+def cached_tokens(out: Path) -> list[int]:
+    """Each request's cached prompt tokens as the server reported them, in the order of the run's result."""
+    (records,) = out.glob("*/requests-0.jsonl")
+    rows = sorted((json.loads(line) for line in records.read_text().splitlines()), key=lambda r: r["index"])
+    return [r["cached_tokens"] or 0 for r in rows]
 
 
 def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0,
@@ -108,7 +128,8 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
         url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
         for name in workloads:
             result = loadtest(f"{url}#{MODEL}", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
-            requests = conversations(result, 4, 3, 32) if name == "multi_turn" else replayed(result)
+            requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(out / name))
+                        if name == "multi_turn" else replayed(result))
             for profile in profiles:
                 engine = {"simulate": {"profile": profile}}
                 rows[profile][name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
@@ -129,9 +150,7 @@ def gpu_fidelity(path: Path, profile: str, served: Path | None) -> dict:
     rows = {}
     for name, run in record["runs"].items():
         if name == "multi_turn":
-            options = record["workloads"][name]
-            users, turns, output_len = (int(options[options.index(o) + 1]) for o in ("--users", "--turns", "--output-len"))
-            requests = conversations(run, users, turns, output_len)
+            requests = conversations(run, *conversation_shape(record["workloads"][name]))
         else:
             requests = replayed(run)
         rows[name] = compare(run, simulate(engine, 1, requests))

@@ -46,12 +46,16 @@ class SimRequest:
 
 @dataclass
 class SimTurn:
-    """The turn after an answer: the conversation so far + the answer + ``question``, ``think_s`` later."""
+    """The turn after an answer: the conversation so far + the answer + ``question``, ``think_s`` later. A served
+    chat sends the answer back as text, re-rendered: past ``kept`` tokens the history comes back as other tokens
+    of the same count (an answer run past its end-of-turn token, as with ``ignore_eos``, loses that token in the
+    text, and the prefix cache misses from there)."""
 
     question: list[int]
     max_tokens: int
     think_s: float
     next_turn: SimTurn | None = None
+    kept: int | None = None  # tokens of the conversation so far that come back as they were; None: all of them
 
 
 class _Replica:
@@ -109,6 +113,7 @@ class VirtualFleet:
         self.policy = POLICIES[routing.policy](routing, deployments)
         self._by_deployment = {id(r.deployment): r for r in self.replicas}
         random.seed(seed)  # the policies break ties at random
+        self._rng = random.Random(seed)  # re-rendered histories' tokens
 
     def run(self, requests: list[SimRequest]) -> FleetResult:
         """Serve ``requests`` (and the turns they lead to) to the end; the client's view of each."""
@@ -198,6 +203,8 @@ class VirtualFleet:
         self.policy.finished(deployment, flight.routed, answered)
         turn = flight.request.next_turn
         if turn is not None:
+            if turn.kept is not None and turn.kept < len(answered):
+                answered = answered[:turn.kept] + _tokens(self._rng, len(answered) - turn.kept)
             sent = now + turn.think_s
             push(sent + self.frontend_s, "arrive", SimRequest(sent, [*answered, *turn.question], turn.max_tokens,
                                                               flight.request.session, turn.next_turn))
@@ -253,18 +260,20 @@ def burst_workload(n: int, input_len: int, output_len: int, arrivals: list[float
 
 def conversation_workload(users: int, turns: int, system_len: int, question_len: int, output_len: int,
                           arrivals: list[float], think_s: float = 0.0, seed: int = 0,
-                          history_len: int = 0) -> list[SimRequest]:
+                          history_len: int = 0, kept: list[int | None] | None = None) -> list[SimRequest]:
     """``users`` conversations sharing one system prompt, each ``turns`` turns long, started at ``arrivals``, the
     first question after ``history_len`` tokens of the user's own context (the load tester's
     ``--user-history-len``); every turn after the first is sent ``think_s`` after the previous answer, with the
-    whole history."""
+    whole history, of which ``kept[k - 1]`` tokens come back as they were in the (k + 1)-th turn (``SimTurn.kept``;
+    default all)."""
     rng = random.Random(seed)
     system = _tokens(rng, system_len)
+    kept = kept or [None] * (turns - 1)
     requests = []
     for user, at in zip(range(users), arrivals):
         chain: SimTurn | None = None
-        for _ in range(turns - 1):
-            chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain)
+        for turn in reversed(range(1, turns)):
+            chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain, kept[turn - 1])
         first = system + _tokens(rng, history_len + question_len)
         requests.append(SimRequest(at, first, output_len, f"user-{user}", chain))
     return requests

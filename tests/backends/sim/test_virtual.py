@@ -66,6 +66,17 @@ def test_a_users_own_history_comes_before_the_first_question_and_stays_in_every_
     assert sorted(r.prompt_tokens for r in result.records) == [820, 820, 850, 850]
 
 
+def test_a_history_that_comes_back_re_rendered_is_found_in_cache_only_as_far_as_it_was_kept(h100):
+    """A served chat sends each answer back as text; where that does not tokenize back to the ids generated, the
+    prefix cache misses from there (``kept``); by default the whole history comes back as it was."""
+    requests = conversation_workload(users=1, turns=3, system_len=320, question_len=16, output_len=10,
+                                     arrivals=[0.0], kept=[None, 320])
+    result = h100(1, block_size=16).run(requests)
+    turns = sorted(result.records, key=lambda r: r.prompt_tokens)
+    assert [r.prompt_tokens for r in turns] == [336, 362, 388]
+    assert [r.cached_tokens for r in turns] == [0, 336, 320]  # 345 tokens computed, 21 full blocks; then 320 kept
+
+
 def test_cache_aware_routing_keeps_conversations_where_their_prefix_is_cached(h100):
     requests = conversation_workload(users=8, turns=4, system_len=512, question_len=64, output_len=16,
                                      arrivals=[0.2 * i for i in range(8)], think_s=0.5)
