@@ -31,17 +31,22 @@ WORKLOADS = {
     "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
                    "64", "--output-len", "24"],
 }
+# --long-turns: decodes of several conversations with 300-600 tokens of context each, which the shapes above lack
+LONG_TURNS = ["--endpoint", "chat", "--users", "6", "--turns", "4", "--system-prompt-len", "320", "--question-len", "40",
+              "--output-len", "40"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--save", type=Path, required=True, help="where the trace goes (JSON lines)")
+    ap.add_argument("--long-turns", action="store_true", help="add conversations with long contexts (LONG_TURNS)")
     args = ap.parse_args()
+    workloads = {**WORKLOADS, **({"multi_turn_long": LONG_TURNS} if args.long_turns else {})}
     work = Path(tempfile.mkdtemp(prefix="served-steps-"))
     trace = work / "steps.jsonl"
     with contextlib.ExitStack() as stack:
         url = serve_deployment(stack, {"kind": "native", "step_trace": str(trace)})
-        for name, options in WORKLOADS.items():
+        for name, options in workloads.items():
             result = loadtest(f"{url}#{MODEL}", work / name, *options, "--seed", "7", "--warmup", "1",
                               log=work / f"{name}.log")
             print(f"{name:24s} {result['output_throughput']:7.1f} tok/s", flush=True)
