@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -121,21 +122,40 @@ def calibrate_frontend(out: Path) -> float:
     return (result["median_ttft_ms"] - simulated["median_ttft_ms"]) / 1e3
 
 
-def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path) -> dict[str, dict]:
-    """Per profile, per workload: simulated against real, the same requests (one real run for every profile)."""
+def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path, rounds: int = 1
+             ) -> dict[str, dict]:
+    """Per profile, per workload: simulated against real, the same requests (the real runs shared by every
+    profile). With ``rounds``, each workload runs that many times on fresh prompts (seeds 0, 1, ...) and each
+    figure is the median real against the median of the rounds' simulated twins: a real run on two shared cores
+    moves by 10-30% from one round to the next, the simulator not at all."""
     rows: dict[str, dict] = {profile: {} for profile in profiles}
     with contextlib.ExitStack() as stack:
         url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
         for name in workloads:
-            result = loadtest(f"{url}#{MODEL}", out / name, *WORKLOADS[name], "--seed", "0", log=out / f"{name}.log")
-            requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(out / name))
-                        if name == "multi_turn" else replayed(result))
+            pairs: dict[str, dict[str, list]] = {p: {"with_frontend": [], "ideal_frontend": []} for p in profiles}
+            for seed in range(rounds):
+                run = out / f"{name}-{seed}"
+                result = loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log"))
+                requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
+                            if name == "multi_turn" else replayed(result))
+                for profile in profiles:
+                    engine = {"simulate": {"profile": profile}}
+                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s)))
+                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests)))
             for profile in profiles:
-                engine = {"simulate": {"profile": profile}}
-                rows[profile][name] = {"with_frontend": compare(result, simulate(engine, 1, requests, frontend_s)),
-                                       "ideal_frontend": compare(result, simulate(engine, 1, requests))}
+                rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs[profile].items()}
                 print(name, profile, _ratios(rows[profile][name]), flush=True)
     return rows
+
+
+def compare_rounds(pairs: list[tuple[dict, dict]]) -> dict:
+    """``compare`` of the median real and the median simulated figure over rounds of (real, simulated) runs, with
+    each round's own ratio."""
+    row = compare({m: statistics.median(real[m] for real, _ in pairs) for m in METRICS},
+                  {m: statistics.median(sim[m] for _, sim in pairs) for m in METRICS})
+    for m in METRICS:
+        row[m]["rounds"] = [sim[m] / real[m] if real[m] else None for real, sim in pairs]
+    return row
 
 
 def gpu_fidelity(path: Path, profile: str, served: Path | None) -> dict:
@@ -200,6 +220,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
     ap.add_argument("--requests", type=int, default=300, help="its requests")
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
+    ap.add_argument("--rounds", type=int, default=3, help="real runs of each fidelity workload (medians compared)")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     record = run_record()
@@ -213,7 +234,7 @@ def main() -> None:
     record["frontend_s"] = frontend_s = calibrate_frontend(out)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
     if "fidelity" not in args.skip:
-        by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out)
+        by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out, args.rounds)
         record["profile"], record["fidelity"] = args.profile[0], by_profile[args.profile[0]]
         if len(args.profile) > 1:
             record["fidelity_by_profile"] = by_profile
