@@ -59,6 +59,9 @@ def fit(
     save_steps: Annotated[Path | None, typer.Option(metavar="FILE", help="With --native: save the measured steps "
                                                     "(the profile can be refitted from them with --from).")] = None,
     name: Annotated[str | None, typer.Option(metavar="NAME", help="The profile's name (default: --gpu, or cpu).")] = None,
+    fit_overlap: Annotated[bool, typer.Option("--fit-overlap", help="Fit whether a part's FLOPs and bytes overlap "
+                                              "(the roofline) or add up, keeping the better (default: a CPU's add "
+                                              "up, a GPU's overlap).")] = False,
 ) -> None:
     """Fit a device profile on measured steps and write it: a GPU's from committed GPU results, a CPU's from
     the native engine run here."""
@@ -98,9 +101,9 @@ def fit(
     fixed = load_profile(compute_from) if compute_from is not None else None
     how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
-                    *(f"--name {name}",) * bool(name)])
+                    *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap])
     try:
-        profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files)
+        profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--from") from None
     profile.save(out)

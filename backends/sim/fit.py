@@ -36,10 +36,12 @@ class StepPoint:
 
 
 def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepProfile | None = None,
-                how: str = "", files: list[str] | None = None) -> StepProfile:
+                how: str = "", files: list[str] | None = None, fit_overlap: bool = False) -> StepProfile:
     """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
     with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
-    prefill step cannot show (the same chip and engine measured elsewhere)."""
+    prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, whether a
+    part's FLOPs and bytes overlap (its time the longer of the two: the roofline) or add up is fitted too, the
+    better of the two kept; else ``base`` says."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     y = np.array([p.seconds for p in points])
@@ -48,29 +50,30 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
     launch_grid = [compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID
     ce, me = computes[:, None, None], EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
-    both = np.maximum if base.overlaps_memory else np.add
-    device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
-              + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
-              + f["allreduce_s"])
     # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
     # many more of the first; TTFT depends on the second)
     decode = np.array([p.work.decode_only for p in points])
     share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
     w2 = share / y**2
     best = None
-    for launch in launch_grid:
-        launches = launch * f["launched_layers"]
-        busy = np.maximum(device, launches) if base.launches_overlap else device + launches
-        overhead, per_seq = _costs(y - busy, n, w2)
-        error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
-        i, j = np.unravel_index(np.argmin(error), error.shape)
-        if best is None or error[i, j] < best[0]:
-            best = (error[i, j], computes[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch)
-    assert best is not None  # the launch grid is never empty
-    _, c, m, o, s, launch = best
+    for overlaps in (False, True) if fit_overlap else (base.overlaps_memory,):
+        both = np.maximum if overlaps else np.add
+        device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
+                  + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
+                  + f["allreduce_s"])
+        for launch in launch_grid:
+            launches = launch * f["launched_layers"]
+            busy = np.maximum(device, launches) if base.launches_overlap else device + launches
+            overhead, per_seq = _costs(y - busy, n, w2)
+            error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
+            i, j = np.unravel_index(np.argmin(error), error.shape)
+            if best is None or error[i, j] < best[0]:
+                best = (error[i, j], computes[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlaps)
+    assert best is not None  # the grids are never empty
+    _, c, m, o, s, launch, overlaps = best
     fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),
-                                     "per_layer_launch_s": float(launch)})
+                                     "per_layer_launch_s": float(launch), "overlaps_memory": bool(overlaps)})
     errors = relative_errors(fitted, points)
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
                                   median_abs_error=float(np.median(np.abs(errors))),

@@ -44,6 +44,20 @@ def test_the_fit_recovers_the_profile_that_made_the_steps():
     assert fitted.source.max_abs_error < 1e-3
 
 
+@pytest.mark.parametrize("overlaps", [True, False])
+def test_with_fit_overlap_the_fit_finds_whether_flops_and_bytes_overlap(overlaps):
+    """Steps made with each part's time the longer of its FLOPs and bytes (or their sum) are told apart from
+    the other way; without --fit-overlap the base profile's way is kept."""
+    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, overlaps_memory=overlaps)
+    cost = model_cost("smollm2")
+    works = [StepWork.of(q, c, len(q)) for q, c in [([512] * n, [512] * n) for n in (1, 4, 16)]
+             + [([1] * n, [c] * n) for n in (1, 8, 16, 64, 256) for c in (256, 512, 2048)]]
+    points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w)) for w in works]
+    fitted = fit_profile(points, _gpu(overlaps_memory=not overlaps), fit_overlap=True)
+    assert fitted.overlaps_memory is overlaps and fitted.source.max_abs_error < 1e-3
+    assert fit_profile(points, _gpu(overlaps_memory=not overlaps)).overlaps_memory is (not overlaps)
+
+
 def test_too_few_steps_are_refused():
     cost = model_cost("smollm2")
     with pytest.raises(ValueError, match="at least 3"):
