@@ -76,7 +76,7 @@ def conversations(result: dict, users: int, turns: int, output_len: int, cached:
     kept = None
     if cached is not None:  # turn k's requests are the k-th shortest group of ``users``
         by_length = [c for _, c in sorted(zip(result["input_lens"], cached))]
-        kept = [sorted(by_length[k * users:(k + 1) * users])[users // 2] for k in range(1, turns)]
+        kept = [statistics.median_high(by_length[k * users:(k + 1) * users]) for k in range(1, turns)]
     return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users, kept=kept)
 
 
@@ -206,6 +206,12 @@ def _ratios(row: dict) -> str:
     return json.dumps({kind: {m: round(v["ratio"], 3) for m, v in metrics.items()} for kind, metrics in row.items()})
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
+    return int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="append", required=True,
@@ -220,7 +226,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
     ap.add_argument("--requests", type=int, default=300, help="its requests")
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
-    ap.add_argument("--rounds", type=int, default=3, help="real runs of each fidelity workload (medians compared)")
+    ap.add_argument("--rounds", type=_positive, default=3, help="real runs of each fidelity workload (medians compared)")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     record = run_record()

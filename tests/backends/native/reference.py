@@ -27,12 +27,15 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> lis
 def _similar_lengths(prompts: list[list[int]]) -> list[list[int]]:
     """Prompt indices grouped by length so that padding at most doubles a group's tokens."""
     groups: list[list[int]] = []
+    tokens = 0  # the last group's
     for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        group = groups[-1] if groups else []
-        if group and (len(group) + 1) * len(prompts[i]) <= 2 * (sum(len(prompts[j]) for j in group) + len(prompts[i])):
-            group.append(i)
+        n = len(prompts[i])
+        if groups and (len(groups[-1]) + 1) * n <= 2 * (tokens + n):
+            groups[-1].append(i)
+            tokens += n
         else:
             groups.append([i])
+            tokens = n
     return groups
 
 
