@@ -436,8 +436,9 @@ def _resources(measured):
         t = [s["t"] for s in ss]
         if any(s["cpu_percent"] is not None for s in ss):
             cpu_ax.plot(t, [s["cpu_percent"] or 0 for s in ss], label=f"{m.name} CPU %")
-        if any(s["gpu_memory_used"] for s in ss):
-            mem_ax.plot(t, [sum(s["gpu_memory_used"]) / 2**30 for s in ss], label=f"{m.name} GPU GiB")
+        if gpu := [(s["t"], sum(s["gpu_memory_used"]) / 2**30) for s in ss if s["gpu_memory_used"]]:
+            # a remote server's GPU memory comes from its /metrics, read on fewer samples than the process
+            mem_ax.plot(*zip(*gpu, strict=True), label=f"{m.name} GPU GiB")
         elif any(s["rss_bytes"] for s in ss):
             mem_ax.plot(t, [(s["rss_bytes"] or 0) / 2**30 for s in ss], label=f"{m.name} RSS GiB")
     for ax in (cpu_ax, mem_ax):

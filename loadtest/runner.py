@@ -49,6 +49,7 @@ class RunConfig:
     server_pid: int | None = None
     server_port: int | None = None
     sample_interval_s: float = 0.5
+    metrics_interval_s: float = 1.0  # the server's /metrics during the run: each scrape costs the server CPU
     request: RequestOptions = field(default_factory=RequestOptions)
 
 
@@ -86,7 +87,8 @@ async def run_target(target: Target, specs: list[RequestSpec], cfg: RunConfig,
         process = _server_process(target, cfg)
         # the server's KV-cache usage is read while the run goes only from a server that exports it
         sampler = Sampler(process, cfg.sample_interval_s,
-                          (client, target.url) if kv_cache_usage(before) is not None else None)
+                          (client, target.url) if kv_cache_usage(before) is not None else None,
+                          cfg.metrics_interval_s)
         sampler.start()
         _freeze_heap()
         try:

@@ -5,6 +5,7 @@ GPUs' memory, so a remote one's is charted too), and its /metrics before and aft
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from gateway.info import describe, devices
 from loadtest.extras import require
 
 SAMPLING = "sampling the server's CPU and memory"
+TREE_REFRESH_S = 5.0  # how often the server's child processes are listed again
+STEP_SLACK = 0.1  # share of an interval a sleep may end early by and still count as the whole interval
 
 
 @dataclass
@@ -59,14 +62,22 @@ def find_server_process(pid: int | None = None, port: int | None = None):
 
 
 class Sampler:
-    """Samples every ``interval_s`` in the background until stopped."""
+    """Samples every ``interval_s`` in the background until stopped, the server's /metrics every
+    ``metrics_interval_s``.
 
-    def __init__(self, process, interval_s: float = 0.5, metrics: tuple[aiohttp.ClientSession, str] | None = None
-                 ) -> None:  # a psutil.Process, or None; (client, server URL) whose /metrics to read
+    On a machine the server shares, the sampler's CPU is taken from the server: scraping vLLM's /metrics costs it
+    ~7 ms of CPU, and a client parsing all of it another ~10 ms, which slowed a 2-core vLLM by ~5% at two scrapes a
+    second (docs/performance.md). So only the gauges charted are parsed, the metrics are read less often than the
+    process, and the server's process tree is looked up again only every ``TREE_REFRESH_S``."""
+
+    def __init__(self, process, interval_s: float = 0.5, metrics: tuple[aiohttp.ClientSession, str] | None = None,
+                 metrics_interval_s: float = 1.0) -> None:  # a psutil.Process, or None; (client, server URL)
         self.process, self.interval_s, self.metrics = process, interval_s, metrics
+        self.metrics_interval_s = metrics_interval_s
         self._psutil = require("psutil", SAMPLING) if process is not None else None
         self.samples: list[Sample] = []
         self._known: dict[int, object] = {}  # pid -> psutil.Process of the server's tree
+        self._tree_at = -math.inf
         self._nvml = _nvml()
         self._task: asyncio.Task | None = None
         self._t0 = time.perf_counter()
@@ -84,11 +95,13 @@ class Sampler:
         return self.samples
 
     async def _loop(self) -> None:
+        scraped_at = -math.inf
         while True:
             await asyncio.sleep(self.interval_s)
             sample = self.sample()
-            if self.metrics is not None:
-                scraped = await scrape_metrics(*self.metrics)
+            if self.metrics is not None and sample.t - scraped_at >= self.metrics_interval_s * (1 - STEP_SLACK):
+                scraped_at = sample.t
+                scraped = await scrape_metrics(*self.metrics, names=CHARTED_GAUGES)
                 sample.kv_cache_usage = kv_cache_usage(scraped)
                 if served := gpu_memory_used(scraped):  # the server's own GPUs, wherever it runs
                     sample.gpu_memory_used = served
@@ -113,9 +126,12 @@ class Sampler:
     def _tree(self) -> list:
         """The server process and its children (vLLM's engine core is one), each kept as one psutil object
         from sample to sample: a process's CPU percent is measured since that object's previous call, so a
-        fresh object would read 0 every time."""
-        alive = [self.process, *self.process.children(recursive=True)]
-        self._known = {p.pid: self._known.get(p.pid, p) for p in alive}
+        fresh object would read 0 every time. Listing the children walks every process of the machine, so the
+        tree is looked up again only every ``TREE_REFRESH_S``."""
+        if (now := time.monotonic()) - self._tree_at >= TREE_REFRESH_S:
+            alive = [self.process, *self.process.children(recursive=True)]
+            self._known = {p.pid: self._known.get(p.pid, p) for p in alive}
+            self._tree_at = now
         return list(self._known.values())
 
     def _cpu_percent(self) -> float:
@@ -132,6 +148,7 @@ def kv_cache_usage(samples: dict[str, float]) -> float | None:
 
 
 GPU_MEMORY_GAUGE = "burstgate:gpu_memory_used_bytes"
+CHARTED_GAUGES = (*KV_USAGE_GAUGES, GPU_MEMORY_GAUGE)  # what the sampler reads from /metrics during a run
 
 
 def gpu_memory_used(samples: dict[str, float]) -> list[int]:
@@ -144,8 +161,10 @@ def gpu_memory_used(samples: dict[str, float]) -> list[int]:
     return [by_gpu[i] for i in sorted(by_gpu)]
 
 
-async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The target's Prometheus samples (name{labels} → value); empty when it has no /metrics."""
+async def scrape_metrics(client: aiohttp.ClientSession, url: str, names: tuple[str, ...] | None = None
+                         ) -> dict[str, float]:
+    """The target's Prometheus samples (name{labels} → value); empty when it has no /metrics. With ``names``,
+    only the samples of those metrics: the rest of the text (vLLM's is mostly histograms) is skipped unparsed."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -153,6 +172,8 @@ async def scrape_metrics(client: aiohttp.ClientSession, url: str) -> dict[str, f
             if r.status != 200:
                 return {}
             text = await r.text()
+        if names is not None:
+            text = "\n".join(line for line in text.splitlines() if line.startswith(names))
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

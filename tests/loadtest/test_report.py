@@ -81,6 +81,18 @@ def test_a_concurrency_sweep_draws_each_quantity_against_concurrency_one_line_pe
     assert [line.get_label() for line in kv] == ["native"] and list(kv[0].get_ydata()) == pytest.approx([10, 40, 160])
 
 
+def test_a_remote_servers_gpu_memory_is_drawn_only_where_it_was_read():
+    """A remote burstgate's GPU memory comes from its /metrics, read on every other sample or fewer: the samples
+    between carry none, and the line joins the readings instead of dropping to zero between them."""
+    m = _at_concurrency("native", 1, 1.0, None)
+    for i, sample in enumerate(m.samples):
+        sample["gpu_memory_used"] = [40 * 2**30, 2 * 2**30] if i % 2 == 0 else []
+    memory_axes = plots([m])["resources"].axes[1]
+    (line,) = memory_axes.get_lines()
+    assert line.get_label().endswith("GPU GiB")
+    assert list(line.get_xdata()) == [0.0, 1.0, 2.0] and list(line.get_ydata()) == [42.0, 42.0, 42.0]
+
+
 def test_too_few_samples_draw_nothing_and_say_so(tmp_path):
     measured = [_at_concurrency("native", c, 1.0, 0.5) for c in (1, 2)]
     for m in measured:

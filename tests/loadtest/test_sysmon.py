@@ -1,5 +1,5 @@
 """Sampling during a run: the server's KV-cache usage and GPU memory gauges are read from its /metrics while the
-run goes."""
+run goes, less often than its process, and only the charted gauges are parsed."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from gateway.metrics import GatewayMetrics
-from loadtest.sysmon import Sampler, gpu_memory_used, kv_cache_usage
+from loadtest.sysmon import CHARTED_GAUGES, Sampler, gpu_memory_used, kv_cache_usage, scrape_metrics
 from tests.servers import serve_app
 
 
-async def _sample(url: str) -> list:
-    """What a sampler reading ``url``'s /metrics every 50 ms took in 0.4 s."""
+async def _sample(url: str, metrics_interval_s: float = 0.05) -> list:
+    """What a sampler sampling every 50 ms, reading ``url``'s /metrics every ``metrics_interval_s``, took in 0.4 s."""
     async with aiohttp.ClientSession() as client:
-        sampler = Sampler(None, 0.05, (client, url))
+        sampler = Sampler(None, 0.05, (client, url), metrics_interval_s)
         sampler.start()
         await asyncio.sleep(0.4)
         return await sampler.stop()
@@ -41,6 +41,44 @@ def test_the_sampler_reads_the_gauge_while_the_run_goes():
     with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
         samples = asyncio.run(_sample(url))
     assert [s.kv_cache_usage for s in samples[:3]] == [0.1, 0.4, 0.9]
+
+
+def test_the_servers_metrics_are_read_less_often_than_its_process():
+    """Each scrape costs the server CPU (vLLM: ~5 ms) that a server sharing the client's cores loses: the sampler
+    reads /metrics on its own, slower clock, and the samples in between carry no KV-cache usage."""
+    scrapes = []
+
+    async def metrics(_):
+        scrapes.append(1)
+        return PlainTextResponse(f"vllm:kv_cache_usage_perc {0.1 * len(scrapes)}\n")
+
+    with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
+        samples = asyncio.run(_sample(url, metrics_interval_s=0.15))
+    read = [s.kv_cache_usage for s in samples if s.kv_cache_usage is not None]
+    assert read == pytest.approx([0.1 * (i + 1) for i in range(len(scrapes))])
+    assert 2 <= len(scrapes) <= len(samples) // 2, (len(scrapes), len(samples))
+
+
+def test_only_the_charted_gauges_are_parsed():
+    text = ('# HELP vllm:kv_cache_usage_perc usage\n# TYPE vllm:kv_cache_usage_perc gauge\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            '# TYPE vllm:time_to_first_token_seconds histogram\n'
+            'vllm:time_to_first_token_seconds_bucket{le="0.1"} 3.0\n'
+            'burstgate:gpu_memory_used_bytes{gpu="1",name="H100"} 2e9\nburstgate:gpu_memory_used_bytes{gpu="0",name="H100"} 1e9\n'
+            'vllm:num_requests_running 4.0\n')
+
+    async def metrics(_):
+        return PlainTextResponse(text)
+
+    async def scrape(url: str, names) -> dict:
+        async with aiohttp.ClientSession() as client:
+            return await scrape_metrics(client, url, names=names)
+
+    with serve_app(Starlette(routes=[Route("/metrics", metrics)])) as url:
+        charted, everything = asyncio.run(scrape(url, CHARTED_GAUGES)), asyncio.run(scrape(url, None))
+    assert len(everything) == 5 and charted == {k: v for k, v in everything.items() if k.startswith(CHARTED_GAUGES)}
+    assert len(charted) == 3
+    assert kv_cache_usage(charted) == 0.25 and gpu_memory_used(charted) == [1_000_000_000, 2_000_000_000]
 
 
 def test_the_sampler_charts_a_remote_burstgates_gpu_memory_from_its_metrics():
