@@ -5,9 +5,9 @@ steps (``burstgate sim fit --from`` the trace this writes).
 workloads of the kinds the simulator's fidelity check runs (bursts, a Poisson run, conversations) but other
 shapes, sizes and seeds, so that ``sim_fidelity.py``'s workloads stay held out of the fit:
 
-    python benchmarks/served_steps.py --save benchmarks/results/sim_cpu_served_steps_zen4.jsonl
-    burstgate sim fit --from benchmarks/results/sim_cpu_served_steps_zen4.jsonl --name cpu-zen4-2c-served \\
-        --out backends/sim/profiles/cpu-zen4-2c-served.json
+    python benchmarks/served_steps.py --save benchmarks/results/sim_cpu_served_steps_zen4_light_sampler.jsonl
+    burstgate sim fit --from benchmarks/results/sim_cpu_served_steps_zen4_light_sampler.jsonl \\
+        --name cpu-zen4-2c-served --out backends/sim/profiles/cpu-zen4-2c-served.json
 """
 
 from __future__ import annotations
