@@ -27,7 +27,7 @@ burst's last requests queue for minutes on a CPU server, and vLLM's bench does n
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -111,10 +111,12 @@ def count_missing_output_tokens(records: list[RequestRecord], count: Callable[[s
             r.output_tokens, r.output_tokens_counted = count(r.generated_text), "tokenizer"
 
 
-def stats(name: str, values_s: list[float]) -> dict[str, float]:
+def stats(name: str, values_s: Sequence[float] | np.ndarray) -> dict[str, float]:
     """mean/median/std/pXX of ``values_s`` (seconds), in ms under vLLM's key names (0 when empty, as vLLM)."""
     out: dict[str, float] = {}
-    arr = np.asarray(values_s or [0.0], dtype=float) * 1000.0
+    arr = np.asarray(values_s, dtype=float) * 1000.0
+    if not arr.size:
+        arr = np.zeros(1)
     out[f"mean_{name}_ms"] = float(arr.mean())
     out[f"median_{name}_ms"] = float(np.median(arr))
     out[f"std_{name}_ms"] = float(arr.std())
@@ -150,7 +152,8 @@ def summarize(records: list[RequestRecord], duration: float, slos_ms: dict[str, 
     }
     summary.update(stats("ttft", [t for r in good if (t := r.ttft) is not None]))  # every good one has it
     summary.update(stats("tpot", [r.tpot for r in good if r.tpot is not None]))
-    summary.update(stats("itl", [gap for r in good for gap in r.itls]))
+    # one array, not a list of a million gaps: 29 ms against 97 ms for 256 x 4,096 tokens
+    summary.update(stats("itl", np.concatenate([np.diff(r.chunk_times) for r in good]) if good else []))
     summary.update(stats("e2el", [e for r in good if (e := r.e2el) is not None]))
     summary.update(stats("send_lag", [r.send_lag for r in records]))
     summary.update(stats("client_queue_time", [r.queue_time for r in good]))

@@ -54,6 +54,16 @@ def test_summary_throughputs_and_stats():
     assert s["p99_e2el_ms"] == pytest.approx(2000 + 0.99 * 2000)
 
 
+def test_itl_stats_pool_every_gap_of_every_good_request():
+    # vLLM: np.mean over all requests' itls flattened, not a mean of per-request means; one-chunk answers add no gap
+    records = [_rec(0, 0.0, [1.0, 2.0], out=2), _rec(1, 0.0, [2.0, 2.5, 3.0, 3.5], out=4), _rec(2, 0.0, [1.0], out=1),
+               _rec(3, 0.0, [1.0, 9.0], out=2, ok=False)]
+    s = summarize(records, duration=4.0)
+    assert s["mean_itl_ms"] == pytest.approx(625) and s["median_itl_ms"] == pytest.approx(500)
+    assert s["p99_itl_ms"] == pytest.approx(500 + 0.97 * 500)
+    assert summarize([_rec(0, 0.0, [1.0], out=1)], 1.0)["mean_itl_ms"] == 0.0  # no gap at all: 0, as vLLM
+
+
 def test_percentiles_use_linear_interpolation():
     records = [_rec(i, 0.0, [float(i + 1)], out=1) for i in range(100)]
     s = summarize(records, 100.0)
