@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -112,8 +114,8 @@ class Sampler:
         if self.process is not None and self._psutil is not None:  # set together
             try:
                 s.cpu_percent = self._cpu_percent()
-                s.rss_bytes = sum(p.memory_info().rss for p in self._tree())
-            except self._psutil.Error:
+                s.rss_bytes = int(self._summed(lambda p: p.memory_info().rss))
+            except self._psutil.Error:  # the server itself has ended
                 self.process = None
         if self._nvml is not None:
             n = self._nvml
@@ -135,7 +137,21 @@ class Sampler:
         return list(self._known.values())
 
     def _cpu_percent(self) -> float:
-        return sum(p.cpu_percent(None) for p in self._tree())
+        return self._summed(lambda p: p.cpu_percent(None))
+
+    def _summed(self, read: Callable[[Any], float]) -> float:
+        """``read`` summed over the server's tree; a child that has ended since the tree was listed is left out,
+        and the tree listed again at the next sample (the server's own end is the caller's to handle)."""
+        assert self._psutil is not None  # set with the process
+        total = 0.0
+        for p in self._tree():
+            try:
+                total += read(p)
+            except self._psutil.Error:
+                if p.pid == self.process.pid:
+                    raise
+                self._tree_at = -math.inf
+        return total
 
 
 def kv_cache_usage(samples: dict[str, float]) -> float | None:

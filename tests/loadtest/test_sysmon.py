@@ -144,3 +144,32 @@ def test_a_servers_child_processes_count_towards_its_cpu():
         parent.kill()
         parent.wait()
     assert max(s.cpu_percent for s in samples[1:]) > 50, [s.cpu_percent for s in samples]
+
+
+def test_a_child_that_ends_mid_run_does_not_end_the_sampling():
+    # the tree is listed every few seconds, not every sample: a child found then and gone since is left out
+    import subprocess
+    import sys
+
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.6)']); "
+                               "time.sleep(30)"])
+    try:
+        process = psutil.Process(parent.pid)
+        while not process.children():
+            pass
+
+        async def sample() -> list:
+            sampler = Sampler(process, 0.2)
+            sampler.start()
+            await asyncio.sleep(1.5)
+            return await sampler.stop()
+
+        samples = asyncio.run(sample())
+        assert not process.children()  # the child has ended
+    finally:
+        parent.kill()
+        parent.wait()
+    assert len(samples) >= 5 and all(s.cpu_percent is not None and s.rss_bytes for s in samples), samples
