@@ -4,6 +4,7 @@ real gateway in front of one shared native engine (loaded once per session)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -73,6 +74,17 @@ def start_gateway(native_engine):
             yield url, gateway
 
     return start
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_left_on_a_closed_stream():
+    """``burstgate serve`` run in-process (CliRunner) points the root logger at the runner's stderr, closed once the
+    command returns: a server thread of a later test would log its access lines into that closed file."""
+    yield
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            root.removeHandler(handler)
 
 
 @pytest.fixture
