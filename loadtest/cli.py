@@ -329,8 +329,8 @@ def _sweep_points(base: RunConfig, sweep_concurrency: str | None, sweep_rate: st
 
 
 def _run(session: Session) -> list[TargetResult]:
-    # Drawn twice a second, and only on a terminal: rich's default 10 redraws a second cost the client ~15 ms of CPU
-    # a second, taken from a server sharing the machine (vllm bench's tqdm draws per finished request).
+    # Drawn twice a second, and only on a terminal: rich's default redraws take CPU from a server sharing the
+    # machine (docs/performance.md; vllm bench's tqdm draws per finished request).
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), console=console, refresh_per_second=2,
                   auto_refresh=console.is_terminal) as progress:

@@ -67,9 +67,9 @@ class Sampler:
     """Samples every ``interval_s`` in the background until stopped, the server's /metrics every
     ``metrics_interval_s``.
 
-    On a machine the server shares, the sampler's CPU is taken from the server: scraping vLLM's /metrics costs it
-    ~7 ms of CPU, and a client parsing all of it another ~10 ms, which slowed a 2-core vLLM by ~5% at two scrapes a
-    second (docs/performance.md). So only the gauges charted are parsed, the metrics are read less often than the
+    On a machine the server shares, the sampler's CPU is taken from the server: each scrape costs the server CPU
+    to render its metrics and the client more to parse them, enough to slow a 2-core vLLM measurably
+    (docs/performance.md). So only the gauges charted are parsed, the metrics are read less often than the
     process, and the server's process tree is looked up again only every ``TREE_REFRESH_S``."""
 
     def __init__(self, process, interval_s: float = 0.5, metrics: tuple[aiohttp.ClientSession, str] | None = None,

@@ -117,45 +117,16 @@ def test_a_server_without_gpus_exports_the_gauge_without_samples():
     assert not [line for line in text.splitlines() if line.startswith("burstgate:gpu_memory_used_bytes")]
 
 
-def test_a_servers_child_processes_count_towards_its_cpu():
-    # the server process idles while its child (as vLLM's engine core) spins: the tree's CPU is the child's
-    import subprocess
-    import sys
-
-    import psutil
-
-    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
-                               "subprocess.run([sys.executable, '-c', 'while True: pass'])"])
-    try:
-        process = psutil.Process(parent.pid)
-        while not process.children():
-            pass
-
-        async def sample() -> list:
-            sampler = Sampler(process, 0.2)
-            sampler.start()
-            await asyncio.sleep(1.3)
-            return await sampler.stop()
-
-        samples = asyncio.run(sample())
-    finally:
-        for child in psutil.Process(parent.pid).children(recursive=True):
-            child.kill()
-        parent.kill()
-        parent.wait()
-    assert max(s.cpu_percent for s in samples[1:]) > 50, [s.cpu_percent for s in samples]
-
-
-def test_a_child_that_ends_mid_run_does_not_end_the_sampling():
-    # the tree is listed every few seconds, not every sample: a child found then and gone since is left out
+def _sample_a_parent_and_its_child(child: str, seconds: float, parent_after: str = "") -> tuple[list, list]:
+    """A process whose child runs ``child`` (then the parent runs ``parent_after``), sampled every 0.2 s for
+    ``seconds`` from once the child is up: the samples, and the parent's children at the end."""
     import subprocess
     import sys
 
     import psutil
 
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                               "subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.6)']); "
-                               "time.sleep(30)"])
+                               f"subprocess.run([sys.executable, '-c', {child!r}]); {parent_after}"])
     try:
         process = psutil.Process(parent.pid)
         while not process.children():
@@ -164,12 +135,27 @@ def test_a_child_that_ends_mid_run_does_not_end_the_sampling():
         async def sample() -> list:
             sampler = Sampler(process, 0.2)
             sampler.start()
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(seconds)
             return await sampler.stop()
 
         samples = asyncio.run(sample())
-        assert not process.children()  # the child has ended
+        left = process.children()
     finally:
+        for child_process in psutil.Process(parent.pid).children(recursive=True):
+            child_process.kill()
         parent.kill()
         parent.wait()
+    return samples, left
+
+
+def test_a_servers_child_processes_count_towards_its_cpu():
+    # the server process idles while its child (as vLLM's engine core) spins: the tree's CPU is the child's
+    samples, _ = _sample_a_parent_and_its_child("while True: pass", 1.3)
+    assert max(s.cpu_percent for s in samples[1:]) > 50, [s.cpu_percent for s in samples]
+
+
+def test_a_child_that_ends_mid_run_does_not_end_the_sampling():
+    # the tree is listed every few seconds, not every sample: a child found then and gone since is left out
+    samples, left = _sample_a_parent_and_its_child("import time; time.sleep(0.6)", 1.5, parent_after="time.sleep(30)")
+    assert not left  # the child has ended
     assert len(samples) >= 5 and all(s.cpu_percent is not None and s.rss_bytes for s in samples), samples
