@@ -110,7 +110,6 @@ class LLMEngine:
                  self.runner.kv_dtype,
                  self.max_model_len, self.runner.kernels.describe(),
                  (", CUDA graphs" if self.runner.graphs else "") + (", async scheduling" if self.overlap_steps else ""))
-        self._launched: Batch | None = None  # the batch the current step() launched, for the step trace
         self.step_trace: StepTrace | None = None  # opened after the warm-up: it traces served steps only
         if config.warmup:
             self.warm_up()
@@ -231,18 +230,15 @@ class LLMEngine:
         batch is launched and the previous one's tokens come back: a step's outputs arrive with the next call,
         the host's bookkeeping overlapping the device's work. Requests that need each token on the host before
         the next step is scheduled (``_overlappable``) run synchronously, the step in flight finished first."""
-        started = time.perf_counter()
-        overlapped = False
         if self.runner.depth > 1:
             outputs = self._pipelined_step()
         elif self.overlap_steps and self._overlappable():
-            outputs, overlapped = self._launch_step(), True
+            outputs = self._launch_step()
         else:
             outputs = self._finish_in_flight() + self._sync_step()
         self._publish_kv_events()
         if self.step_trace is not None:
-            self.step_trace.step(self._launched, started, time.perf_counter(), overlapped, self.has_unfinished())
-        self._launched = None
+            self.step_trace.called(in_flight=self._in_flight is not None, more=self.has_unfinished())
         return outputs
 
     def _publish_kv_events(self) -> None:
@@ -255,10 +251,21 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        self._launched = scheduled.batch
+        start = self._mark()
         logits = self.runner.execute(scheduled.batch)
         self._count_prompt_tokens(scheduled)
-        return self._sampled(scheduled, logits)
+        outputs = self._sampled(scheduled, logits)
+        self._traced(scheduled.batch, start)
+        return outputs
+
+    def _mark(self) -> Any:
+        """A mark on the step trace's clock (None without a trace)."""
+        return self.step_trace.clock.mark() if self.step_trace is not None else None
+
+    def _traced(self, batch: Batch, start: Any) -> None:
+        """Tell the step trace (if any) of a step launched at ``start`` whose tokens are now sampled."""
+        if self.step_trace is not None:
+            self.step_trace.launched(batch, start, self.step_trace.clock.mark())
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """Pipeline parallelism: launch batches of sequences not in flight until ``runner.depth`` are (vLLM's
@@ -307,12 +314,13 @@ class LLMEngine:
         if scheduled is None:
             return self._finish_in_flight()
         previous = self._in_flight[1].device if self._in_flight is not None else None
-        self._launched = scheduled.batch
         runner = cast(ModelRunner, self.runner)  # async scheduling: one process (EngineConfig.overlaps_steps)
+        start = self._mark()
         logits = runner.execute(scheduled.batch, previous)
         self._count_prompt_tokens(scheduled)
         tokens, _ = sample_tokens(logits, scheduled.sampling, self.eos_token_ids)  # every row samples (no forks)
         pending = PendingPicks(tokens)
+        self._traced(scheduled.batch, start)
         outputs = self._finish_in_flight()
         self.scheduler.advance(scheduled, pending=True)
         self._in_flight = (scheduled, pending)

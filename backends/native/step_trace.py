@@ -5,38 +5,75 @@ steps the engine really ran.
 
 A trace is JSON lines: a header (the model's shape, dtype, block size, how steps run, this CPU's peaks), then one
 ``[query_lens, context_lens, sampled_rows, seconds]`` per step, the same as the steps ``sim fit --native
---save-steps`` writes. A step's seconds are its share of the engine's time line: from its start to the next
-step's start while the engine has work (the host's bookkeeping between steps included); with async scheduling,
-where a step's batch is launched in one call and finished in the next, from the end of the call that launched
-it to the end of the call that finished it.
+--save-steps`` writes. A step's seconds are its share of the engine's time line: from the end of the step before
+it to its own end (its tokens sampled) while the engine has work, the host's bookkeeping between steps included;
+from its own start after the engine idled. Ends are read on the device's clock: on a GPU, events on the stream,
+so that a step launched ahead (async scheduling) ends when the device finishes it, not when the host next looks
+(a host that blocks in one step's launch would otherwise move time from that step to the one before).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from backends.native.batch import Batch
 
 FLUSH_EVERY = 64  # steps buffered before a write: the engine thread writes rarely, a reader sees recent steps
 
 
+class StepClock(Protocol):
+    """Marks on the device's time line: ``mark()`` now in the order of the device's work, ``seconds(a, b)``
+    between two marks once the device has passed both."""
+
+    def mark(self) -> Any: ...
+
+    def seconds(self, a: Any, b: Any) -> float: ...
+
+
+class HostClock:
+    """A CPU's steps run in the calling thread: the host's clock is the device's."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, a: float, b: float) -> float:
+        return b - a
+
+
+class CudaClock:
+    """Events on the current CUDA stream: a mark is passed when the device reaches it."""
+
+    def mark(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a: Any, b: Any) -> float:
+        b.synchronize()  # the step's tokens are on the host, its mark one event behind them: a wait of nothing
+        return a.elapsed_time(b) / 1e3
+
+
 @dataclass
 class _Launched:
     work: list  # [query_lens, context_lens, sampled rows]
-    start: float
-    end: float
-    overlapped: bool  # launched by an async step: finished by the next call
+    start: Any  # the clock's marks: before the step's work, and after its tokens are sampled
+    done: Any
+    after_idle: bool  # the engine had no work before it
 
 
 class StepTrace:
     """Appends the engine's steps to a trace file (JSON lines)."""
 
-    def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
+    def __init__(self, path: str | Path, header: dict[str, Any], clock: StepClock | None = None) -> None:
         try:
             self._file: IO[str] = open(path, "w")  # noqa: SIM115 - open for the engine's life, closed by close()
         except OSError as exc:
@@ -44,27 +81,32 @@ class StepTrace:
         self._file.write(json.dumps({"what": "native engine steps timed while served, for `burstgate sim fit "
                                              "--from`", **header}) + "\n")
         self._file.flush()
+        self.clock: StepClock = clock or HostClock()
         self._lines: list[str] = []
-        self._pending: _Launched | None = None
+        self._launched: list[_Launched] = []  # not written yet, in launch order
+        self._previous_done: Any = None  # the last written step's end, while the engine has had work since
+        self._idle = True
 
-    def step(self, batch: Batch | None, start: float, end: float, overlapped: bool, more: bool) -> None:
-        """One call of the engine's ``step()`` from ``start`` to ``end``, which launched ``batch`` (None: none),
-        ``overlapped`` if asynchronously; ``more``: whether the engine has work left after it."""
-        if (pending := self._pending) is not None:
-            self._pending = None
-            self._write(pending.work, (end - pending.end) if pending.overlapped else (start - pending.start))
-        if batch is not None:
-            launched = _Launched([list(batch.query_lens), list(batch.context_lens), sum(batch.sample)], start, end,
-                                 overlapped)
-            if overlapped or more:  # its time ends with the next call
-                self._pending = launched
-            else:  # the engine goes idle: the step's own call is its time
-                self._write(launched.work, end - start)
+    def launched(self, batch: Batch, start: Any, done: Any) -> None:
+        """A step's ``batch``, launched between the clock's marks ``start`` (before its work) and ``done`` (after
+        its tokens are sampled; on a GPU, enqueued)."""
+        self._launched.append(_Launched([list(batch.query_lens), list(batch.context_lens), sum(batch.sample)],
+                                        start, done, self._idle))
+        self._idle = False
+
+    def called(self, in_flight: bool, more: bool) -> None:
+        """The end of one call of the engine's ``step()``: ``in_flight`` if the step it launched last is still on
+        the device (async scheduling), ``more`` if the engine has work left."""
+        finished = self._launched[:-1] if in_flight else self._launched
+        for step in finished:
+            begin = step.start if step.after_idle or self._previous_done is None else self._previous_done
+            self._lines.append(json.dumps([*step.work, self.clock.seconds(begin, step.done)]) + "\n")
+            self._previous_done = step.done
+        del self._launched[:len(finished)]
+        if not more:
+            self._idle, self._previous_done = True, None
         if not more or len(self._lines) >= FLUSH_EVERY:
             self.flush()
-
-    def _write(self, work: list, seconds: float) -> None:
-        self._lines.append(json.dumps([*work, seconds]) + "\n")
 
     def flush(self) -> None:
         if self._lines:
@@ -92,13 +134,19 @@ def open_trace(path: str | Path, engine) -> StepTrace:
     if str(runner.device) == "cpu":
         flops, bandwidth = measure_cpu_peaks(runner.dtype)
         header["peaks"] = {"flops": flops, "bandwidth": bandwidth}
-    return StepTrace(path, header)
+    return StepTrace(path, header, CudaClock() if runner.device.type == "cuda" else HostClock())
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
     """A trace as ``sim fit --native --save-steps`` saves steps: its header with ``steps``."""
-    with open(path) as f:
+    with open_text(path) as f:
         return parse_trace(f)
+
+
+def open_text(path: str | Path) -> IO[str]:
+    """A trace or saved-steps file for reading, gzipped where its name ends in ``.gz`` (a GPU's trace runs to
+    megabytes: committed compressed)."""
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)
 
 
 def parse_trace(lines: Iterable[str]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def fit(
     measured: Annotated[list[Path] | None, typer.Option("--from", exists=True, dir_okay=False, metavar="FILE",
                                                  help="Measured steps: a gpu_check_*.json, a cuda_engine_*.json, "
                                                  "steps saved by --native --save-steps, or a served engine's "
-                                                 "step_trace (repeatable).")] = None,
+                                                 "step_trace, gzipped or not (repeatable).")] = None,
     compute_from: Annotated[str | None, typer.Option(metavar="PROFILE", help="Take the compute efficiency and launch "
                                                      "cost from this profile (the same chip and engine measured "
                                                      "elsewhere) and fit the rest: for data with no prefill step.")] = None,

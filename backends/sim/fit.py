@@ -271,10 +271,11 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
 
 def load_steps(path: Path | str) -> dict:
     """A JSON file of measured steps, or a step trace of the engine served (JSON lines: backends/native/step_trace.py)
-    as the same record."""
-    from backends.native.step_trace import parse_trace
+    as the same record; either gzipped where the name ends in ``.gz``."""
+    from backends.native.step_trace import open_text, parse_trace
 
-    text = Path(path).read_text()
+    with open_text(path) as f:
+        text = f.read()
     try:
         return json.loads(text)
     except json.JSONDecodeError:

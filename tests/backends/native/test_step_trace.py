@@ -3,6 +3,7 @@ while it serves, read back as the steps a simulator profile is fitted on."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -24,30 +25,42 @@ def _steps(path) -> list[list]:
     return load_trace(path)["steps"]
 
 
-def test_a_synchronous_step_lasts_until_the_next_one_starts(tmp_path):
-    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})
-    trace.step(_batch([5, 7], [5, 7]), start=1.0, end=1.3, overlapped=False, more=True)
-    trace.step(_batch([1, 1], [6, 8]), start=1.5, end=1.6, overlapped=False, more=True)  # 0.2 s of host work before
-    trace.step(_batch([1], [9]), start=1.7, end=1.75, overlapped=False, more=False)  # then the engine idles
+def test_a_step_lasts_from_the_end_of_the_one_before_and_the_first_after_idle_from_its_start(tmp_path):
+    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})  # the host's clock: marks are seconds
+    trace.launched(_batch([5, 7], [5, 7]), start=1.0, done=1.3)
+    trace.called(in_flight=False, more=True)
+    trace.launched(_batch([1, 1], [6, 8]), start=1.5, done=1.6)  # 0.2 s of host work before it: its share
+    trace.called(in_flight=False, more=False)  # then the engine idles
+    trace.launched(_batch([1], [9]), start=5.0, done=5.05)
+    trace.called(in_flight=False, more=False)
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.5)],
-                                            [[1, 1], [6, 8], 2, pytest.approx(0.2)],
+    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.3)],
+                                            [[1, 1], [6, 8], 2, pytest.approx(0.3)],
                                             [[1], [9], 1, pytest.approx(0.05)]]
 
 
-def test_an_async_step_lasts_from_its_launch_returning_to_the_call_that_finished_it(tmp_path):
+def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_clock(tmp_path):
+    # async scheduling on a GPU: marks are where the device passed them, whenever the host looked. The second
+    # launch blocked the host until both steps were done; each step still gets its own device time.
     trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})
-    trace.step(_batch([4], [4]), start=0.0, end=0.01, overlapped=True, more=True)  # launched, nothing to finish
-    trace.step(_batch([1], [5]), start=0.02, end=0.30, overlapped=True, more=True)  # waited for the first
-    trace.step(None, start=0.31, end=0.50, overlapped=False, more=False)  # finished the second, launched none
+    trace.launched(_batch([1, 1], [9, 9]), start=0.0, done=0.008)
+    trace.called(in_flight=True, more=True)
+    assert _steps(tmp_path / "t.jsonl") == []  # still on the device: not written
+    trace.launched(_batch([1, 1, 500], [10, 10, 500]), start=0.008, done=0.030)
+    trace.called(in_flight=True, more=True)
+    trace.called(in_flight=False, more=False)  # finished the second, launched none
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[4], [4], 1, pytest.approx(0.29)], [[1], [5], 1, pytest.approx(0.20)]]
+    assert _steps(tmp_path / "t.jsonl") == [[[1, 1], [9, 9], 2, pytest.approx(0.008)],
+                                            [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022)]]
 
 
-def test_the_engine_traces_every_step_it_runs(tmp_path, smollm2_tokenizer):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_traces_every_step_it_runs(tmp_path, smollm2_tokenizer, async_scheduling):
     path = tmp_path / "steps.jsonl"
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, num_blocks=64, max_num_batched_tokens=64,
-                                    step_trace=str(path)), tokenizer=smollm2_tokenizer)
+                                    async_scheduling=async_scheduling, step_trace=str(path)),
+                       tokenizer=smollm2_tokenizer)
+    assert engine.overlap_steps == async_scheduling
     try:
         engine.generate([[11 + i for i in range(40)], [900 + i for i in range(100)]],
                         SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -80,6 +93,16 @@ def test_a_profile_is_fitted_on_a_trace(tmp_path, smollm2_tokenizer):
     profile = json.loads((tmp_path / "served.json").read_text())
     assert profile["name"] == "served" and profile["source"]["points"] == len(load_trace(path)["steps"])
     assert 0 < profile["compute_efficiency"] <= 1 and 0 < profile["memory_efficiency"] <= 1
+
+    # a trace committed gzipped (a GPU's runs to megabytes) is read as the same steps and fits the same profile
+    packed = tmp_path / "steps.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert load_trace(packed) == load_trace(path)
+    result = CliRunner().invoke(app, ["sim", "fit", "--from", str(packed), "--name", "served",
+                                      "--out", str(tmp_path / "served-from-gz.json")])
+    assert result.exit_code == 0, result.output
+    from_gz = json.loads((tmp_path / "served-from-gz.json").read_text())
+    assert {k: v for k, v in from_gz.items() if k != "source"} == {k: v for k, v in profile.items() if k != "source"}
 
 
 def test_a_step_trace_is_refused_with_pipeline_stages():
