@@ -174,7 +174,8 @@ def gpu_fidelity(path: Path, profile: str, served: Path | None) -> dict:
         else:
             requests = replayed(run)
         rows[name] = compare(run, simulate(engine, 1, requests))
-    for probe, run in zip(record["capacity"]["answer"]["probes"], record["capacity"]["probes"]):
+    capacity = record.get("capacity", {"answer": {"probes": []}, "probes": []})  # a run may have no search
+    for probe, run in zip(capacity["answer"]["probes"], capacity["probes"]):
         name = f"capacity {probe['role']}" + (f" {probe['rate']:.1f} req/s" if probe["rate"] else "")
         rows[name] = compare(run, simulate(engine, 1, replayed(run)))
     if served is not None:
