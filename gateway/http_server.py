@@ -9,7 +9,9 @@ httptools protocol, passed as its ``http`` class) adds, per ``Server`` settings:
   body is in; then 408 and the connection closed. Streaming a long answer is never affected;
 - a cap on the request line and headers (431);
 - a cap on open connections: at the cap a new connection closes the one idle for longest (no request
-  under way on it), or is answered 503 when none is idle.
+  under way on it), or is answered 503 when none is idle;
+- idle connections closed at once over TLS too (keep-alive timeout, eviction, the server's stop), where a
+  polite close waits up to 30 s for a client that is not reading.
 """
 
 from __future__ import annotations
@@ -107,6 +109,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_since = time.monotonic()
         super().on_response_complete()
 
+    def shutdown(self) -> None:
+        """The server stops (after the drain): an idle connection is dropped, one answering ends after it."""
+        if self.cycle is None or self.cycle.response_complete:
+            self._drop()
+        else:
+            super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close an idle connection at once. Over TLS a polite close waits for the client's close_notify, which a
+        client idle in its pool sends only when it next reads: asyncio waits 30 s for it, keeping the process
+        alive that long after a drain (and an evicted connection counted against the cap)."""
+        if self.transport.get_extra_info("sslcontext") is not None:
+            self.transport.abort()
+        else:
+            self.transport.close()
+
     # ------------------------------------------------------------------------------------ limits
     def _arm(self) -> None:
         self._disarm()
@@ -139,5 +161,5 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return False
         oldest = min(idle, key=lambda c: c._idle_since)  # type: ignore[union-attr]  # set by our protocol only
         oldest._idle_since = None  # type: ignore[union-attr]
-        oldest.transport.close()
+        oldest._drop()  # type: ignore[union-attr]
         return True
