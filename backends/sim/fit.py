@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smollm2": ROOT / "configs" / "smollm2-135m.json"}
 EFFICIENCY_GRID = np.linspace(0.02, 1.0, 99)
 LAUNCH_GRID = np.concatenate([[0.0], np.geomspace(1e-6, 1e-2, 41)])  # seconds per layer
+GRID_CELLS_AT_ONCE = 2_000_000  # (compute, memory, step) cells evaluated together: ~16 MB an array
 
 
 @dataclass(frozen=True)
@@ -49,26 +50,32 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     f = _features(points, base)
     computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
     launch_grid = [compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID
-    ce, me = computes[:, None, None], EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
+    me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
     # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
     # many more of the first; TTFT depends on the second)
     decode = np.array([p.work.decode_only for p in points])
     share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
     w2 = share / y**2
+    # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of them
+    # at once is gigabytes of temporaries
+    cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
+    blocks = np.array_split(computes, min(len(computes), max(1, cells // GRID_CELLS_AT_ONCE)))
     best = None
     for overlaps in (False, True) if fit_overlap else (base.overlaps_memory,):
         both = np.maximum if overlaps else np.add
-        device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
-                  + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
-                  + f["allreduce_s"])
-        for launch in launch_grid:
-            launches = launch * f["launched_layers"]
-            busy = np.maximum(device, launches) if base.launches_overlap else device + launches
-            overhead, per_seq = _costs(y - busy, n, w2)
-            error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
-            i, j = np.unravel_index(np.argmin(error), error.shape)
-            if best is None or error[i, j] < best[0]:
-                best = (error[i, j], computes[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlaps)
+        for block in blocks:
+            ce = block[:, None, None]
+            device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
+                      + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
+                      + f["allreduce_s"])
+            for launch in launch_grid:
+                launches = launch * f["launched_layers"]
+                busy = np.maximum(device, launches) if base.launches_overlap else device + launches
+                overhead, per_seq = _costs(y - busy, n, w2)
+                error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
+                i, j = np.unravel_index(np.argmin(error), error.shape)
+                if best is None or error[i, j] < best[0]:
+                    best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlaps)
     assert best is not None  # the grids are never empty
     _, c, m, o, s, launch, overlaps = best
     fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
