@@ -10,8 +10,8 @@ httptools protocol, passed as its ``http`` class) adds, per ``Server`` settings:
 - a cap on the request line and headers (431);
 - a cap on open connections: at the cap a new connection closes the one idle for longest (no request
   under way on it), or is answered 503 when none is idle;
-- idle connections closed at once over TLS too (keep-alive timeout, eviction, the server's stop), where a
-  polite close waits up to 30 s for a client that is not reading.
+- a TLS close bounded to a short grace at the server's stop and at eviction, where asyncio waits 30 s for a
+  client that is not reading.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.config import Server
 
 log = logging.getLogger(__name__)
+# How long a TLS connection being closed may wait for its client: enough to send an answer still buffered to a
+# client that reads, far below asyncio's 30 s wait for a close_notify that an idle client never sends
+TLS_CLOSE_GRACE_S = 5.0
 
 
 def uvicorn_options(server: Server) -> dict[str, Any]:
@@ -57,6 +60,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._idle_since: float | None = None  # set while no request is under way
         self._refused = False
+        self._stopping = False  # the server is stopping: close once the answer under way is out
+        self._abort_later: asyncio.TimerHandle | None = None  # a TLS close's bound (_bound_tls_close)
 
     # --------------------------------------------------------------------------------- connection
     def connection_made(self, transport) -> None:
@@ -66,10 +71,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections and not self._evict_idle():
             log.warning("%d connections open: refusing a new one", len(self.connections))
             self._refuse(503, "Service Unavailable")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -108,26 +109,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
         super().on_response_complete()
+        if self._stopping:  # uvicorn closes it now that its last answer is out (keep_alive was turned off)
+            self._bound_tls_close()
 
     def shutdown(self) -> None:
-        """The server stops (after the drain): an idle connection is dropped, one answering ends after it."""
-        if self.cycle is None or self.cycle.response_complete:
-            self._drop()
-        else:
-            super().shutdown()
+        """The server stops (after the drain): an idle connection is closed now, one answering after its answer;
+        over TLS neither waits for the client past ``TLS_CLOSE_GRACE_S``."""
+        self._stopping = True
+        super().shutdown()
+        if self.transport.is_closing():
+            self._bound_tls_close()
 
-    def timeout_keep_alive_handler(self) -> None:
-        if not self.transport.is_closing():
-            self._drop()
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._abort_later is not None:
+            self._abort_later.cancel()
+        super().connection_lost(exc)
 
-    def _drop(self) -> None:
-        """Close an idle connection at once. Over TLS a polite close waits for the client's close_notify, which a
-        client idle in its pool sends only when it next reads: asyncio waits 30 s for it, keeping the process
-        alive that long after a drain (and an evicted connection counted against the cap)."""
-        if self.transport.get_extra_info("sslcontext") is not None:
-            self.transport.abort()
-        else:
-            self.transport.close()
+    def _close_idle(self) -> None:
+        """Close an idle connection (evicted at the cap), over TLS for at most ``TLS_CLOSE_GRACE_S``."""
+        self.transport.close()
+        self._bound_tls_close()
+
+    def _bound_tls_close(self) -> None:
+        """A TLS close sends what is still buffered, then waits for the client's close_notify, which a client idle
+        in its pool sends only when it next reads: asyncio waits 30 s for it, the stop of a drained server and a
+        slot of the connection cap with it. Past the grace, the connection is aborted."""
+        if self._abort_later is None and self.transport.get_extra_info("sslcontext") is not None:
+            self._abort_later = self.loop.call_later(TLS_CLOSE_GRACE_S, self.transport.abort)
 
     # ------------------------------------------------------------------------------------ limits
     def _arm(self) -> None:
@@ -156,10 +165,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _evict_idle(self) -> bool:
         """Close the connection idle for longest (not this one); False when none is idle."""
-        idle = [c for c in self.connections if c is not self and getattr(c, "_idle_since", None) is not None]
+        idle = [c for c in self.connections if c is not self and getattr(c, "_idle_since", None) is not None
+                and not c.transport.is_closing()]  # one closing already frees its slot
         if not idle:
             return False
         oldest = min(idle, key=lambda c: c._idle_since)  # type: ignore[union-attr]  # set by our protocol only
         oldest._idle_since = None  # type: ignore[union-attr]
-        oldest._drop()  # type: ignore[union-attr]
+        oldest._close_idle()  # type: ignore[union-attr]
         return True

@@ -63,6 +63,24 @@ def test_serve_answers_over_https_and_only_clients_with_a_certificate_of_its_ca_
         served.proc.wait(timeout=15)
 
 
+def test_a_stream_answering_when_the_server_stops_ends_whole_and_the_server_exits_without_its_client(pki):
+    options = ("--simulate", "cpu-epyc-2c", "--ssl-keyfile", str(pki["server_key"]), "--ssl-certfile",
+               str(pki["server_cert"]))
+    trusted = client_context(pki, with_certificate=False)
+    with burstgate_serve(*options, verify=trusted) as served, httpx.Client(verify=trusted, timeout=60) as client:
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with client.stream("POST", f"{served.url}/v1/completions", json=body) as stream:
+            lines = []
+            for line in stream.iter_lines():
+                if not lines:
+                    served.proc.terminate()  # the drain lets the answer under way finish
+                lines.append(line)
+        assert "data: [DONE]" in lines  # the whole answer
+        # the client keeps the connection in its pool, unread: the server closes it after the answer and does
+        # not wait out asyncio's 30 s for the client's close_notify
+        served.proc.wait(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def upstream(pki):
     """The mock OpenAI server over HTTPS, requiring a client certificate of the CA."""
