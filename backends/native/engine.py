@@ -204,6 +204,8 @@ class LLMEngine:
         """Stop a request and free its KV blocks. Unknown or finished ids are ignored."""
         for seq in self._requests.pop(request_id, []):
             self.scheduler.abort(seq)
+        if self.step_trace is not None and not self.has_unfinished():  # emptied between steps: idle from here
+            self.step_trace.called(in_flight=False, more=False)
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
@@ -217,12 +219,13 @@ class LLMEngine:
         return self.runner.alive
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the KV events' publisher."""
+        """Stop the tensor-parallel workers, if any, and the KV events' publisher; close the step trace first,
+        while its last step can still be timed."""
+        if self.step_trace is not None:
+            self.step_trace.close()
         self.runner.close()
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.step_trace is not None:
-            self.step_trace.close()
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -263,7 +266,8 @@ class LLMEngine:
         return self.step_trace.clock.mark() if self.step_trace is not None else None
 
     def _traced(self, batch: Batch, start: Any) -> None:
-        """Tell the step trace (if any) of a step launched at ``start`` whose tokens are now sampled."""
+        """Tell the step trace (if any) of a step launched at ``start`` whose tokens are now sampled (on a GPU
+        under async scheduling: enqueued)."""
         if self.step_trace is not None:
             self.step_trace.launched(batch, start, self.step_trace.clock.mark())
 

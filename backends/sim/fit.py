@@ -59,7 +59,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of them
     # at once is gigabytes of temporaries
     cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
-    blocks = np.array_split(computes, min(len(computes), max(1, cells // GRID_CELLS_AT_ONCE)))
+    blocks = np.array_split(computes, min(len(computes), -(-cells // GRID_CELLS_AT_ONCE)))
     best = None
     for overlaps in (False, True) if fit_overlap else (base.overlaps_memory,):
         both = np.maximum if overlaps else np.add

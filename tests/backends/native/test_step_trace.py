@@ -54,6 +54,52 @@ def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_
                                             [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022)]]
 
 
+def test_a_step_still_on_the_device_when_the_trace_closes_is_written(tmp_path):
+    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})
+    trace.launched(_batch([3], [3]), start=0.0, done=0.004)
+    trace.called(in_flight=True, more=True)  # the engine closes with it in flight
+    trace.close()
+    assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004)]]
+
+
+class _SteppedClock:
+    """A clock that moves one unit per mark, and as far as a test says in between."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> float:
+        self.now += 1
+        return self.now
+
+    def seconds(self, a: float, b: float) -> float:
+        return b - a
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_engine_emptied_by_an_abort_idles_and_its_next_step_is_not_charged_the_wait(
+        tmp_path, smollm2_tokenizer, async_scheduling):
+    path = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, num_blocks=32, step_trace=str(path),
+                                    async_scheduling=async_scheduling), tokenizer=smollm2_tokenizer)
+    clock = engine.step_trace.clock = _SteppedClock()
+    try:
+        engine.add_request("a", [11 + i for i in range(20)], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step(), engine.step()
+        engine.abort_request("a")  # the client left between steps: nothing to do, the engine waits
+        while engine.has_unfinished():
+            engine.step()
+        clock.now += 1000  # idle
+        engine.add_request("b", [500 + i for i in range(20)], SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.close()
+    steps = _steps(path)
+    assert [q for q, *_ in steps][-2:] == [[20], [1]]  # b's prefill and its decode, traced
+    assert all(seconds < 1000 for *_, seconds in steps)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_engine_traces_every_step_it_runs(tmp_path, smollm2_tokenizer, async_scheduling):
     path = tmp_path / "steps.jsonl"

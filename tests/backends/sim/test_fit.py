@@ -25,7 +25,10 @@ def _gpu(**changes) -> StepProfile:
     return StepProfile(**{**fields, **changes})
 
 
-def test_the_fit_recovers_the_profile_that_made_the_steps():
+@pytest.mark.parametrize("cells_at_once", [None, 20_000])  # the grid whole, and a block of ~2 efficiencies at a time
+def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, monkeypatch):
+    if cells_at_once is not None:
+        monkeypatch.setattr("backends.sim.fit.GRID_CELLS_AT_ONCE", cells_at_once)
     truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, per_sequence_s=1e-5,
                  per_layer_launch_s=1e-4)
     points = []
