@@ -31,7 +31,7 @@ class PendingPicks:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream: the engine's GPU need not be current
 
     def tolist(self) -> list[int]:
         if self._ready is not None:
