@@ -164,6 +164,8 @@ def gpu_fidelity(path: Path, profile: str, served: Path | None) -> dict:
     from backends.sim.virtual import burst_workload
 
     record = json.loads(path.read_text())
+    if "parts" in record:  # gpu_check.py's own record, as a lease leaves it
+        record = record["parts"]["loadtest"]["result"]
     deployment = record["deployment"]
     engine = {"model_path": DESIGN, "simulate": {"profile": profile},
               **{k: deployment[k] for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}}
@@ -219,7 +221,8 @@ def main() -> None:
                     help="this machine's CPU profile (burstgate sim fit); repeat to compare several on the same real "
                          "runs (the first is the file's `fidelity`); with --gpu, that GPU's (e.g. h200)")
     ap.add_argument("--gpu", type=Path, metavar="FILE", help="compare with this GPU loadtest result instead (no server "
-                                                             "is started here)")
+                                                             "is started here): a gpu_loadtest_*.json, or the "
+                                                             "gpu_check.json of a run with the loadtest part")
     ap.add_argument("--gpu-served", type=Path, metavar="FILE", help="with --gpu: a gpu_check result whose served "
                                                                     "part's paper burst is compared too")
     ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS))
