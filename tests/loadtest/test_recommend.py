@@ -79,7 +79,7 @@ def test_two_servers_of_known_capacity_searched_and_ranked_from_the_command_line
     with serve_app(create_mock_app("m", ttft_s=0.1, itl_s=0.05, max_concurrency=2)) as small, \
             serve_app(create_mock_app("m", ttft_s=0.1, itl_s=0.05, max_concurrency=4)) as large:
         result = CliRunner().invoke(cli, [
-            "loadtest", "run", "--target", f"{small}#m@test box", "--target", f"{large}#m@test box", "--requests", "30",
+            "loadtest", "run", "--target", f"{small}#m@test box", "--target", f"{large}#m@test box", "--requests", "20",
             "--input-len", "16", "--output-len", "3", "--warmup", "0", "--capacity", "--goodput", "ttft:180",
             "--precision", "0.1", "--db", str(db), "--out", str(runs)], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
