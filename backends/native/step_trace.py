@@ -74,9 +74,8 @@ class CudaClock:
 @dataclass
 class _Launched:
     work: list  # [query_lens, context_lens, sampled rows]
-    start: Any  # the clock's marks: before the step's work, and after its tokens are sampled
+    begin: Any  # the clock's marks: where its share of the time line begins, and its tokens sampled
     done: Any
-    after_idle: bool  # the engine had no work before it
 
 
 class StepTrace:
@@ -93,27 +92,25 @@ class StepTrace:
         self.clock: StepClock = clock or HostClock()
         self._lines: list[str] = []
         self._launched: list[_Launched] = []  # not written yet, in launch order
-        self._previous_done: Any = None  # the last written step's end, while the engine has had work since
-        self._idle = True
+        self._last_done: Any = None  # the last step's end, while the engine has had work since
 
     def launched(self, batch: Batch, start: Any, done: Any) -> None:
         """A step's ``batch``, launched between the clock's marks ``start`` (before its work) and ``done`` (after
         its tokens are sampled; on a GPU, enqueued)."""
+        begin = start if self._last_done is None else self._last_done
         self._launched.append(_Launched([list(batch.query_lens), list(batch.context_lens), sum(batch.sample)],
-                                        start, done, self._idle))
-        self._idle = False
+                                        begin, done))
+        self._last_done = done
 
     def called(self, in_flight: bool, more: bool) -> None:
         """The end of one call of the engine's ``step()``: ``in_flight`` if the step it launched last is still on
         the device (async scheduling), ``more`` if the engine has work left."""
         finished = self._launched[:-1] if in_flight else self._launched
-        for step in finished:
-            begin = step.start if step.after_idle or self._previous_done is None else self._previous_done
-            self._lines.append(json.dumps([*step.work, self.clock.seconds(begin, step.done)]) + "\n")
-            self._previous_done = step.done
+        self._lines += [json.dumps([*step.work, self.clock.seconds(step.begin, step.done)]) + "\n"
+                        for step in finished]
         del self._launched[:len(finished)]
         if not more:
-            self._idle, self._previous_done = True, None
+            self._last_done = None
         if not more or len(self._lines) >= FLUSH_EVERY:
             self.flush()
 
