@@ -93,7 +93,13 @@ def fit(
             if len(measured) != 1:
                 raise typer.BadParameter("a CPU profile is fitted on one saved-steps file (or give --gpu)",
                                          param_hint="--from")
-            steps = fitting.load_steps(measured[0])
+            try:
+                steps = fitting.load_steps(measured[0])
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--from") from None
+        if "peaks" not in steps:  # GPU results and a GPU's trace carry no measured peaks
+            raise typer.BadParameter(f"{measured[0]}: no CPU peaks measured beside these steps; for a GPU's steps give "
+                                     "--gpu", param_hint="--from")
         base = fitting.cpu_base_profile(name or "cpu", steps)
         points = fitting.points_from_steps(steps)
     from backends.sim.profile import load_profile

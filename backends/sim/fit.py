@@ -281,12 +281,18 @@ def load_steps(path: Path | str) -> dict:
     as the same record; either gzipped where the name ends in ``.gz``."""
     from backends.native.step_trace import open_text, parse_trace
 
-    with open_text(path) as f:
-        text = f.read()
+    try:
+        with open_text(path) as f:
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # a .gz that is not gzip, or truncated
+        raise ValueError(f"{path}: cannot be read: {exc}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return parse_trace(text.splitlines())
+        try:
+            return parse_trace(text.splitlines())
+        except (json.JSONDecodeError, StopIteration):
+            raise ValueError(f"{path}: neither measured steps (JSON) nor a step trace (JSON lines)") from None
 
 
 def points_from_file(path: Path | str) -> list[StepPoint]:

@@ -114,8 +114,15 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones():
     (["--gpu", "h100"], "fit on measured steps"),
     (["--native", "--from", "benchmarks/results/gpu_check_h200.json"], "--native measures"),
     (["--gpu", "tpu", "--from", "benchmarks/results/gpu_check_h200.json"], "unknown GPU"),
+    (["--from", "benchmarks/results/h200_served_steps_rerun.jsonl.gz"], "for a GPU's steps give --gpu"),
+    (["--from", "{tmp}/garbage.jsonl"], "neither measured steps (JSON) nor a step trace"),
+    (["--from", "{tmp}/garbage.jsonl.gz"], "cannot be read: Not a gzipped file"),
+    (["--gpu", "h200", "--from", "{tmp}/garbage.jsonl.gz"], "cannot be read"),
 ])
 def test_bad_fits_are_usage_errors(args, message, tmp_path):
+    for name in ("garbage.jsonl", "garbage.jsonl.gz"):
+        (tmp_path / name).write_text("not steps\n")
+    args = [a.format(tmp=tmp_path) for a in args]
     result = CliRunner().invoke(app, ["sim", "fit", *args, "--out", str(tmp_path / "p.json")])
     assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
 
