@@ -475,8 +475,10 @@ def _html(title: str, measured: list[Measured], images: dict[str, str],
                       for name, data in images.items())
     figures += "".join(f"<h2>{e(name.replace('_', ' '))}</h2><p class=note>{e(text)}</p>"
                        for name, text in (notes or {}).items())
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title><style>{_STYLE}</style>"
-            f"</head><body><h1>{e(title)}</h1>{_recommendation_html(recommendations)}{_capacity_html(measured)}"
+    # no icon to fetch: a report opened from a web server asks for none at the server's root
+    return (f"<!doctype html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
+            f"<title>{e(title)}</title><style>{_STYLE}</style></head>"
+            f"<body><h1>{e(title)}</h1>{_recommendation_html(recommendations)}{_capacity_html(measured)}"
             f"<h2>measurements</h2><table><tr><th>metric</th>{head}</tr>{rows}</table>"
             f"{'<h2>warnings</h2><ul>' + warnings + '</ul>' if warnings else ''}{figures}</body></html>")
 
