@@ -59,15 +59,19 @@ def fit(
     save_steps: Annotated[Path | None, typer.Option(metavar="FILE", help="With --native: save the measured steps "
                                                     "(the profile can be refitted from them with --from).")] = None,
     name: Annotated[str | None, typer.Option(metavar="NAME", help="The profile's name (default: --gpu, or cpu).")] = None,
-    fit_overlap: Annotated[bool, typer.Option("--fit-overlap", help="Fit whether a part's FLOPs and bytes overlap "
-                                              "(the roofline) or add up, keeping the better (default: a CPU's add "
-                                              "up, a GPU's overlap).")] = False,
+    fit_overlap: Annotated[bool, typer.Option("--fit-overlap", help="Fit how much of a part's shorter time (its "
+                                              "FLOPs' or its bytes') hides behind the longer, in tenths from 0 (they "
+                                              "add up) to 1 (the roofline).")] = False,
+    memory_overlap: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="Take that share as "
+                                                         "given instead (default: a CPU's 0, a GPU's 1).")] = None,
 ) -> None:
     """Fit a device profile on measured steps and write it: a GPU's from committed GPU results, a CPU's from
     the native engine run here."""
     from backends.sim import fit as fitting
 
     measured = measured or []
+    if fit_overlap and memory_overlap is not None:
+        raise typer.BadParameter("either fit the overlap or give it", param_hint="--fit-overlap / --memory-overlap")
     if native and measured:
         raise typer.BadParameter("--native measures the steps here; --from reads measured ones", param_hint="--from")
     if native:
@@ -104,10 +108,13 @@ def fit(
         points = fitting.points_from_steps(steps)
     from backends.sim.profile import load_profile
 
+    if memory_overlap is not None:
+        base = base.model_copy(update={"memory_overlap": memory_overlap})
     fixed = load_profile(compute_from) if compute_from is not None else None
     how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
-                    *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap])
+                    *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap,
+                    *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"])])
     try:
         profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap)
     except ValueError as exc:
@@ -115,7 +122,7 @@ def fit(
     profile.save(out)
     typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
-               f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us; over {profile.source.points} steps "
+               f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:.1f}; over {profile.source.points} steps "
                f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%} -> {out}")
 
 

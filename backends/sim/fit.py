@@ -23,6 +23,7 @@ from backends.sim.step_time import StepCost, StepTimeModel, StepWork
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smollm2": ROOT / "configs" / "smollm2-135m.json"}
 EFFICIENCY_GRID = np.linspace(0.02, 1.0, 99)
+OVERLAP_GRID = np.linspace(0.0, 1.0, 11)  # shares of the shorter time hidden, with --fit-overlap
 LAUNCH_GRID = np.concatenate([[0.0], np.geomspace(1e-6, 1e-2, 41)])  # seconds per layer
 GRID_CELLS_AT_ONCE = 2_000_000  # (compute, memory, step) cells evaluated together: ~16 MB an array
 
@@ -40,9 +41,9 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                 how: str = "", files: list[str] | None = None, fit_overlap: bool = False) -> StepProfile:
     """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
     with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
-    prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, whether a
-    part's FLOPs and bytes overlap (its time the longer of the two: the roofline) or add up is fitted too, the
-    better of the two kept; else ``base`` says."""
+    prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, how much a
+    part's FLOPs and bytes overlap is fitted too (``memory_overlap``, from 0: they add up, to 1: the roofline, in
+    tenths); else ``base`` says."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     y = np.array([p.seconds for p in points])
@@ -61,12 +62,12 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
     blocks = np.array_split(computes, min(len(computes), -(-cells // GRID_CELLS_AT_ONCE)))
     best = None
-    for overlaps in (False, True) if fit_overlap else (base.overlaps_memory,):
-        both = np.maximum if overlaps else np.add
+    for overlap in OVERLAP_GRID if fit_overlap else (base.memory_overlap,):
         for block in blocks:
             ce = block[:, None, None]
-            device = (both(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me))
-                      + both(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me))
+            device = (_part(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me), overlap)
+                      + _part(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me),
+                              overlap)
                       + f["allreduce_s"])
             for launch in launch_grid:
                 launches = launch * f["launched_layers"]
@@ -75,17 +76,22 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                 error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
                 i, j = np.unravel_index(np.argmin(error), error.shape)
                 if best is None or error[i, j] < best[0]:
-                    best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlaps)
+                    best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlap)
     assert best is not None  # the grids are never empty
-    _, c, m, o, s, launch, overlaps = best
+    _, c, m, o, s, launch, overlap = best
     fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),
-                                     "per_layer_launch_s": float(launch), "overlaps_memory": bool(overlaps)})
+                                     "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
     errors = relative_errors(fitted, points)
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
                                   median_abs_error=float(np.median(np.abs(errors))),
                                   max_abs_error=float(np.max(np.abs(errors))))
     return fitted
+
+
+def _part(flops_s: np.ndarray, bytes_s: np.ndarray, overlap: float) -> np.ndarray:
+    """A part's time from its FLOPs' and its bytes' (``StepTimeModel.parts``), on arrays."""
+    return np.maximum(flops_s, bytes_s) + (1 - overlap) * np.minimum(flops_s, bytes_s)
 
 
 def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarray]:
@@ -243,7 +249,7 @@ def cpu_base_profile(name: str, steps: dict) -> StepProfile:
     return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
                        bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
                        step_overhead_s=0.0, per_sequence_s=0.0, replays_decode=steps["fused_steps"],
-                       launches_overlap=False, overlaps_memory=False, block_size=steps["block_size"], dtype=steps["dtype"],
+                       launches_overlap=False, memory_overlap=0.0, block_size=steps["block_size"], dtype=steps["dtype"],
                        source=ProfileSource(how="unfitted"))
 
 

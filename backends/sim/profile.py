@@ -48,7 +48,9 @@ class StepProfile(BaseModel):
     per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host
     replays_decode: bool = True  # decode-only steps run whole, with no launches per layer (CUDA graphs, fused C)
     launches_overlap: bool = True  # the device works while the host launches (GPUs); a CPU does one, then the other
-    overlaps_memory: bool = True  # a part's time is the longer of its FLOPs and its bytes (GPUs), else their sum
+    # the share of the shorter of a part's two times (its FLOPs', its bytes') hidden behind the longer: 1 the
+    # roofline (GPUs), 0 their sum; a CPU's cores hide some of a small batch's arithmetic behind its weight reads
+    memory_overlap: float = Field(1.0, ge=0, le=1)
     interconnect_bandwidth: float = Field(NVLINK_BANDWIDTH, gt=0)  # bytes/s per direction, for tensor parallelism
     allreduce_latency_s: float = Field(10e-6, ge=0)
     block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)

@@ -9,7 +9,9 @@ its KV cache after the step (``context_lens``). Its time is
     + max(attention FLOPs / (peak * compute_efficiency), KV bytes / (bandwidth * memory_efficiency))
     + tensor-parallel all-reduces (two per layer, ring, at the interconnect's bandwidth)
 
-(a CPU's cores wait for memory and compute in turn at a step's skinny matrix shapes: there both max() are +),
+(a profile's fitted ``memory_overlap`` says how much of the shorter of each max()'s two times hides behind the
+longer: all of it on a GPU, the roofline; on a CPU, whose cores wait for memory and compute partly in turn at a
+step's skinny matrix shapes, less),
 and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a decode-only
 step replayed whole (CUDA graphs on a GPU, the fused C step on a CPU). A GPU runs the launches beside the
 device's work, so the step takes the longer of the two ((+) is max); a CPU does both itself ((+) is +).
@@ -105,11 +107,10 @@ class StepTimeModel:
     def parts(self, work: StepWork) -> tuple[float, float, float]:
         """(linear layers, attention, all-reduces) of a step, each at its roofline."""
         c, flops, bw = self.cost, self._flops_per_s, self._bytes_per_s
-        both = max if self.profile.overlaps_memory else _add
-        linear = both((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
-                      c.weight_bytes / bw)
-        attention = both(c.attention_flops_per_query_key * work.query_keys / flops,
-                         c.kv_bytes_per_token * (work.kv_read_tokens + work.tokens) / bw)
+        linear = self._part((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
+                            c.weight_bytes / bw)
+        attention = self._part(c.attention_flops_per_query_key * work.query_keys / flops,
+                               c.kv_bytes_per_token * (work.kv_read_tokens + work.tokens) / bw)
         allreduce = 0.0
         if c.allreduces_per_step:  # ring all-reduce: each rank sends and receives 2 (tp - 1) / tp of the payload
             payload = c.allreduce_bytes_per_token * work.tokens * 2 * (c.tp - 1) / c.tp
@@ -117,6 +118,6 @@ class StepTimeModel:
                                                  + payload / self.profile.interconnect_bandwidth)
         return linear, attention, allreduce
 
-
-def _add(a: float, b: float) -> float:
-    return a + b
+    def _part(self, flops_s: float, bytes_s: float) -> float:
+        """A part's time from its FLOPs' and its bytes': the longer, and the unhidden share of the shorter."""
+        return max(flops_s, bytes_s) + (1 - self.profile.memory_overlap) * min(flops_s, bytes_s)

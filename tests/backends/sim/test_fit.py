@@ -47,18 +47,19 @@ def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, monkeyp
     assert fitted.source.max_abs_error < 1e-3
 
 
-@pytest.mark.parametrize("overlaps", [True, False])
-def test_with_fit_overlap_the_fit_finds_whether_flops_and_bytes_overlap(overlaps):
-    """Steps made with each part's time the longer of its FLOPs and bytes (or their sum) are told apart from
-    the other way; without --fit-overlap the base profile's way is kept."""
-    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, overlaps_memory=overlaps)
+@pytest.mark.parametrize("overlap", [0.0, 0.3, 1.0])  # their sum, part hidden, the roofline
+def test_with_fit_overlap_the_fit_finds_how_much_flops_and_bytes_overlap(overlap):
+    """Steps made with a share of each part's shorter time (its FLOPs' or its bytes') hidden behind the longer are
+    fitted with that share; without --fit-overlap the base profile's share is kept."""
+    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, memory_overlap=overlap)
     cost = model_cost("smollm2")
     works = [StepWork.of(q, c, len(q)) for q, c in [([512] * n, [512] * n) for n in (1, 4, 16)]
              + [([1] * n, [c] * n) for n in (1, 8, 16, 64, 256) for c in (256, 512, 2048)]]
     points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w)) for w in works]
-    fitted = fit_profile(points, _gpu(overlaps_memory=not overlaps), fit_overlap=True)
-    assert fitted.overlaps_memory is overlaps and fitted.source.max_abs_error < 1e-3
-    assert fit_profile(points, _gpu(overlaps_memory=not overlaps)).overlaps_memory is (not overlaps)
+    other = 1.0 - overlap  # the base starts elsewhere
+    fitted = fit_profile(points, _gpu(memory_overlap=other), fit_overlap=True)
+    assert fitted.memory_overlap == pytest.approx(overlap) and fitted.source.max_abs_error < 1e-3
+    assert fit_profile(points, _gpu(memory_overlap=other)).memory_overlap == other
 
 
 def test_too_few_steps_are_refused():

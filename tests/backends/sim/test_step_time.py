@@ -70,21 +70,24 @@ def test_tensor_parallel_ranks_split_the_work_and_add_two_all_reduces_per_layer(
 
 def test_launches_add_to_a_cpu_step_and_hide_under_a_gpu_step_and_replayed_decodes_have_none():
     cost = StepCost.of(TINY, 2, 2)
-    cpu = StepTimeModel(profile(per_layer_launch_s=0.01, launches_overlap=False, overlaps_memory=False), cost)
+    cpu = StepTimeModel(profile(per_layer_launch_s=0.01, launches_overlap=False, memory_overlap=0.0), cost)
     gpu = StepTimeModel(profile(per_layer_launch_s=0.01), cost)
-    unlaunched = StepTimeModel(profile(launches_overlap=False, overlaps_memory=False), cost)
+    unlaunched = StepTimeModel(profile(launches_overlap=False, memory_overlap=0.0), cost)
     assert cpu.seconds([10], [10], 1) == pytest.approx(unlaunched.seconds([10], [10], 1) + 2 * 0.01)
     assert cpu.seconds([1, 1], [50, 50], 2) == pytest.approx(unlaunched.seconds([1, 1], [50, 50], 2))
     device = sum(gpu.parts(_work(gpu, [10], [10])))
     assert gpu.seconds([10], [10], 1) == pytest.approx(0.001 + 0.0001 + max(device, 2 * 0.01))
 
 
-def test_a_cpu_waits_for_memory_and_computes_in_turn():
+@pytest.mark.parametrize("overlap", [0.0, 0.25])
+def test_the_unhidden_share_of_a_parts_shorter_time_adds_to_the_longer(overlap):
+    """A decode step's linear part on a memory-bound device: the weights' read, plus the share of its FLOPs' time
+    not hidden behind that read (all of it for a CPU fitted at 0, none on the roofline)."""
     cost = StepCost.of(TINY, 2, 2)
-    gpu, cpu = StepTimeModel(profile(), cost), StepTimeModel(profile(overlaps_memory=False), cost)
+    roofline, partial = StepTimeModel(profile(), cost), StepTimeModel(profile(memory_overlap=overlap), cost)
     flops_s = (4 * LINEAR_FLOPS_PER_TOKEN + 4 * LM_HEAD_FLOPS_PER_ROW) / (1e9 * 0.5)
-    work = _work(gpu, [1] * 4, [100] * 4)
-    assert cpu.parts(work)[0] - gpu.parts(work)[0] == pytest.approx(flops_s)
+    work = _work(roofline, [1] * 4, [100] * 4)
+    assert partial.parts(work)[0] - roofline.parts(work)[0] == pytest.approx((1 - overlap) * flops_s)
 
 
 def _work(model, query_lens, context_lens):
