@@ -119,6 +119,10 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones():
     (["--from", "{tmp}/garbage.jsonl"], "neither measured steps (JSON) nor a step trace"),
     (["--from", "{tmp}/garbage.jsonl.gz"], "cannot be read: Not a gzipped file"),
     (["--gpu", "h200", "--from", "{tmp}/garbage.jsonl.gz"], "cannot be read"),
+    (["--gpu", "h200", "--from", "benchmarks/results/gpu_check_h200.json", "--fit-overlap", "--memory-overlap", "0.5"],
+     "either fit the overlap or give it"),
+    (["--gpu", "h200", "--from", "benchmarks/results/gpu_check_h200.json", "--memory-overlap", "1.5"],
+     "--memory-overlap"),
 ])
 def test_bad_fits_are_usage_errors(args, message, tmp_path):
     for name in ("garbage.jsonl", "garbage.jsonl.gz"):
