@@ -105,7 +105,8 @@ class StepTimeModel:
         return p.step_overhead_s + p.per_sequence_s * work.sequences + busy
 
     def parts(self, work: StepWork) -> tuple[float, float, float]:
-        """(linear layers, attention, all-reduces) of a step, each at its roofline."""
+        """(linear layers, attention, all-reduces) of a step, each at its roofline plus the share of its shorter
+        time the profile does not hide (``memory_overlap``)."""
         c, flops, bw = self.cost, self._flops_per_s, self._bytes_per_s
         linear = self._part((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
                             c.weight_bytes / bw)
