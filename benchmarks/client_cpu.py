@@ -40,12 +40,15 @@ from peers import HF_DIR, VLLM_PYTHON, burstgate, export_hf_dir, free_port, run_
 
 MODEL = "mock"
 BURSTGATE = "import sys; from gateway.cli import app; sys.argv[0] = 'burstgate'; app()"  # what its console script runs
-# Put before a client's program: counts the stream reads of aiohttp's iter_any and writes the count to the file
-# named by CLIENT_CPU_READS at exit.
+# Put before a client's program: counts the reads of aiohttp's stream iterators (iter_any, which both clients'
+# loops use) and writes the count at exit to the file CLIENT_CPU_READS names. The count costs each read ~1 us of
+# its own, included in the CPU measured.
 COUNT_READS = ("import atexit, os, aiohttp.streams as _s; _reads = [0]; _next = _s.AsyncStreamIterator.__anext__\n"
                "async def _counted(self):\n    chunk = await _next(self); _reads[0] += 1; return chunk\n"
                "_s.AsyncStreamIterator.__anext__ = _counted\n"
-               "atexit.register(lambda: open(os.environ['CLIENT_CPU_READS'], 'w').write(str(_reads[0])))\n")
+               "def _write():\n    if path := os.environ.get('CLIENT_CPU_READS'):\n"
+               "        with open(path, 'w') as f: f.write(str(_reads[0]))\n"
+               "atexit.register(_write)\n")
 
 
 @dataclass
@@ -59,14 +62,18 @@ class Cost:
 def run_client(cmd: list[str], checkout: Path | None = None) -> Cost:
     """Runs ``cmd`` start to exit (with ``checkout``'s packages first on the path) and says what it took."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    reads_file = Path(tempfile.mkstemp()[1])
+    descriptor, name = tempfile.mkstemp()
+    os.close(descriptor)
+    reads_file = Path(name)
     path = {"PYTHONPATH": str(checkout)} if checkout else {}
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=checkout,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                        "CLIENT_CPU_READS": str(reads_file), **path})
+    try:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=checkout,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "CLIENT_CPU_READS": str(reads_file), **path})
+        counted = reads_file.read_text()
+    finally:
+        reads_file.unlink()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    counted = reads_file.read_text()
-    reads_file.unlink()
     return Cost((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
                 int(counted) if counted else None)
 
@@ -109,6 +116,7 @@ def main() -> None:
     per_token: dict[str, list[float]] = {name: [] for name in tools}
     reads_per_token: dict[str, list[float]] = {name: [] for name in tools}
     per_read: dict[str, list[float]] = {name: [] for name in tools}
+    reads_counted: dict[str, list[tuple[int, int]]] = {name: [] for name in tools}  # (short run's, long run's)
     tokens = args.streams * (args.long - args.short)
     port = free_port()
     mock = burstgate("loadtest", "mock-server", "--port", str(port), "--model", MODEL, "--itl-ms", str(args.itl_ms))
@@ -124,9 +132,13 @@ def main() -> None:
                         f"{per_token[name][-1]:5.1f} us per streamed token")
                 if long.reads is not None and short.reads is not None:
                     reads = long.reads - short.reads
+                    reads_counted[name].append((short.reads, long.reads))
                     reads_per_token[name].append(reads / tokens)
-                    per_read[name].append(cpu_s / reads * 1e6)
-                    line += f", {reads_per_token[name][-1]:.2f} reads a token, {per_read[name][-1]:5.1f} us a read"
+                    line += f", {reads} more reads ({short.reads} / {long.reads}): {reads / tokens:.2f} a token"
+                    # a client that fell behind the stream can take fewer reads for more tokens: no CPU per read
+                    if reads > 0:
+                        per_read[name].append(cpu_s / reads * 1e6)
+                        line += f", {per_read[name][-1]:5.1f} us a read"
                 print(line, flush=True)
     medians = {name: statistics.median(v) for name, v in per_token.items()}
     ratio = medians["burstgate"] / medians["vllm bench"]
@@ -134,12 +146,13 @@ def main() -> None:
           f"{medians['vllm bench']:.1f} us: {ratio:.2f}x")
     counted = {}
     if args.count_reads:
-        counted = {"reads_per_token": reads_per_token, "us_per_read": per_read,
+        counted = {"reads": reads_counted, "reads_per_token": reads_per_token, "us_per_read": per_read,
                    "median_reads_per_token": {name: statistics.median(v) for name, v in reads_per_token.items()},
-                   "median_us_per_read": {name: statistics.median(v) for name, v in per_read.items()}}
+                   "median_us_per_read": {name: statistics.median(v) if v else None for name, v in per_read.items()}}
         for name in tools:
+            us = counted["median_us_per_read"][name]
             print(f"{name}: {counted['median_reads_per_token'][name]:.2f} reads a streamed token, "
-                  f"{counted['median_us_per_read'][name]:.1f} us CPU a read (medians)")
+                  + (f"{us:.1f} us CPU a read (medians)" if us is not None else "no round with more reads"))
     if args.before:
         print(f"burstgate before: {medians['burstgate (before)']:.1f} us "
               f"({medians['burstgate (before)'] / medians['vllm bench']:.2f}x vllm bench)")
@@ -148,6 +161,7 @@ def main() -> None:
                                          "itl_ms": args.itl_ms, "streams": args.streams, "short": args.short,
                                          "long": args.long, "us_per_token": per_token, "median_us": medians,
                                          "burstgate_over_vllm_bench": ratio, **counted}, indent=2) + "\n")
+
 
 if __name__ == "__main__":
     main()

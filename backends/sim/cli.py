@@ -122,7 +122,7 @@ def fit(
     profile.save(out)
     typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
-               f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:.1f}; "
+               f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "
                f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%} -> {out}")
 

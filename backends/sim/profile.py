@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from backends.native.gpus import GPUS
 
@@ -56,6 +56,15 @@ class StepProfile(BaseModel):
     block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)
     dtype: str = "bfloat16"  # the engine's compute dtype on this device
     source: ProfileSource
+
+    @model_validator(mode="before")
+    @classmethod
+    def _overlap_of_earlier_files(cls, data: Any) -> Any:
+        """A profile saved before the overlap was a share said only yes (the roofline) or no (the sum)."""
+        if isinstance(data, dict) and "overlaps_memory" in data and "memory_overlap" not in data:
+            data = dict(data)
+            data["memory_overlap"] = 1.0 if data.pop("overlaps_memory") else 0.0
+        return data
 
     def save(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(self.model_dump(), indent=1) + "\n")

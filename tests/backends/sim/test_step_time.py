@@ -94,3 +94,10 @@ def _work(model, query_lens, context_lens):
     from backends.sim.step_time import StepWork
 
     return StepWork.of(query_lens, context_lens, len(query_lens))
+
+
+@pytest.mark.parametrize("saved, overlap", [(True, 1.0), (False, 0.0)])
+def test_a_profile_saved_with_the_earlier_yes_or_no_overlap_loads_as_that_share(saved, overlap):
+    fields = profile().model_dump()
+    del fields["memory_overlap"]
+    assert StepProfile.model_validate({**fields, "overlaps_memory": saved}).memory_overlap == overlap
