@@ -10,8 +10,8 @@ httptools protocol, passed as its ``http`` class) adds, per ``Server`` settings:
 - a cap on the request line and headers (431);
 - a cap on open connections: at the cap a new connection closes the one idle for longest (no request
   under way on it), or is answered 503 when none is idle;
-- a TLS close bounded to a short grace at the server's stop and at eviction, where asyncio waits 30 s for a
-  client that is not reading.
+- every TLS close bounded to a short grace (the server's stop, eviction, the keep-alive timeout, an answer
+  without keep-alive), where asyncio waits 30 s for a client that is not reading.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._idle_since: float | None = None  # set while no request is under way
         self._refused = False
-        self._stopping = False  # the server is stopping: close once the answer under way is out
         self._abort_later: asyncio.TimerHandle | None = None  # a TLS close's bound (_bound_tls_close)
 
     # --------------------------------------------------------------------------------- connection
@@ -109,16 +108,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
         super().on_response_complete()
-        if self._stopping:  # uvicorn closes it now that its last answer is out (keep_alive was turned off)
-            self._bound_tls_close()
+        self._bound_tls_close()  # an answer without keep-alive (the server stopping, Connection: close) closed it
 
     def shutdown(self) -> None:
         """The server stops (after the drain): an idle connection is closed now, one answering after its answer;
         over TLS neither waits for the client past ``TLS_CLOSE_GRACE_S``."""
-        self._stopping = True
         super().shutdown()
-        if self.transport.is_closing():
-            self._bound_tls_close()
+        self._bound_tls_close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._bound_tls_close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -132,10 +132,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._bound_tls_close()
 
     def _bound_tls_close(self) -> None:
-        """A TLS close sends what is still buffered, then waits for the client's close_notify, which a client idle
-        in its pool sends only when it next reads: asyncio waits 30 s for it, the stop of a drained server and a
-        slot of the connection cap with it. Past the grace, the connection is aborted."""
-        if self._abort_later is None and self.transport.get_extra_info("sslcontext") is not None:
+        """If the connection is closing over TLS: a TLS close sends what is still buffered, then waits for the
+        client's close_notify, which a client idle in its pool sends only when it next reads: asyncio waits 30 s
+        for it, the stop of a drained server and a slot of the connection cap with it. Past the grace, the
+        connection is aborted."""
+        if (self._abort_later is None and self.transport.is_closing()
+                and self.transport.get_extra_info("sslcontext") is not None):
             self._abort_later = self.loop.call_later(TLS_CLOSE_GRACE_S, self.transport.abort)
 
     # ------------------------------------------------------------------------------------ limits
