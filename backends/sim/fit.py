@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     # at once is gigabytes of temporaries
     cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
     blocks = np.array_split(computes, min(len(computes), -(-cells // GRID_CELLS_AT_ONCE)))
+    weights = (w2.sum(), (w2 * n).sum(), (w2 * n * n).sum())
     best = None
     for overlap in OVERLAP_GRID if fit_overlap else (base.memory_overlap,):
         for block in blocks:
@@ -69,13 +71,13 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                       + _part(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me),
                               overlap)
                       + f["allreduce_s"])
-            for launch in launch_grid:
-                launches = launch * f["launched_layers"]
-                busy = np.maximum(device, launches) if base.launches_overlap else device + launches
-                overhead, per_seq = _costs(y - busy, n, w2)
-                error = np.sum(w2 * (busy + overhead[..., None] + per_seq[..., None] * n - y) ** 2, axis=-1)
+            for launch, sums in _residual_sums(y, device, f["launched_layers"], launch_grid, n, w2,
+                                               base.launches_overlap):
+                overhead, per_seq, error = _costs(sums, weights)
                 i, j = np.unravel_index(np.argmin(error), error.shape)
-                if best is None or error[i, j] < best[0]:
+                # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding:
+                # the first, smallest, stays
+                if best is None or error[i, j] < best[0] * (1 - 1e-9):
                     best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlap)
     assert best is not None  # the grids are never empty
     _, c, m, o, s, launch, overlap = best
@@ -107,19 +109,45 @@ def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarra
     return {name: np.array(column, dtype=float) for name, column in zip(names, zip(*rows))}
 
 
-def _costs(residual: np.ndarray, n: np.ndarray, w2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Non-negative (overhead, per-sequence) explaining ``residual`` (last axis: points) by weighted least
-    squares; where one comes out negative, it is zero and the other refitted alone."""
-    a, b, c = w2.sum(), (w2 * n).sum(), (w2 * n * n).sum()
-    d, e = (w2 * residual).sum(-1), (w2 * n * residual).sum(-1)
+def _residual_sums(y: np.ndarray, device: np.ndarray, launched: np.ndarray, launch_grid: Iterable[float],
+                   n: np.ndarray, w2: np.ndarray, launches_overlap: bool
+                   ) -> Iterator[tuple[float, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """For each launch cost of the grid, the weighted sums (``_sums``) of the residual the per-step costs are left
+    to explain: the measured time ``y`` less the device's and the launches' (``launched`` layers each). Where the
+    launches run after the device's work (a CPU), the sums are polynomials in the launch cost, so the points are
+    summed over once, not once per launch cost."""
+    if launches_overlap:
+        for launch in launch_grid:
+            yield launch, _sums(y - np.maximum(device, launch * launched), n, w2)
+        return
+    free = y - device
+    (d, e, rr), (dl, el, ll) = _sums(free, n, w2), _sums(launched, n, w2)
+    cross = (w2 * launched * free).sum(-1)
+    for launch in launch_grid:
+        yield launch, (d - launch * dl, e - launch * el, rr - 2 * launch * cross + launch**2 * ll)
+
+
+def _sums(residual: np.ndarray, n: np.ndarray, w2: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weighted sums over points (the last axis) the least squares of ``_costs`` and its error need."""
+    return (w2 * residual).sum(-1), (w2 * n * residual).sum(-1), (w2 * residual * residual).sum(-1)
+
+
+def _costs(sums: tuple[np.ndarray, np.ndarray, np.ndarray], weights: tuple[float, float, float]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Non-negative (overhead, per-sequence) explaining a residual by weighted least squares, and the weighted
+    squared error left, from the residual's ``_sums`` and the points' (weights; by sequences; by their square);
+    where one cost comes out negative, it is zero and the other refitted alone."""
+    (d, e, rr), (a, b, c) = sums, weights
     det = a * c - b * b
     if det <= 1e-12 * a * c:  # every step of one size: the two cannot be told apart
-        return np.maximum(d / a, 0), np.zeros_like(d)
-    overhead, per_seq = (c * d - b * e) / det, (a * e - b * d) / det
-    only_per_seq, only_overhead = np.maximum(e / c, 0), np.maximum(d / a, 0)
-    overhead, per_seq = np.where(overhead < 0, 0, overhead), np.where(overhead < 0, only_per_seq, per_seq)
-    overhead, per_seq = np.where(per_seq < 0, only_overhead, overhead), np.maximum(per_seq, 0)
-    return overhead, per_seq
+        overhead, per_seq = np.maximum(d / a, 0), np.zeros_like(d)
+    else:
+        overhead, per_seq = (c * d - b * e) / det, (a * e - b * d) / det
+        only_per_seq, only_overhead = np.maximum(e / c, 0), np.maximum(d / a, 0)
+        overhead, per_seq = np.where(overhead < 0, 0, overhead), np.where(overhead < 0, only_per_seq, per_seq)
+        overhead, per_seq = np.where(per_seq < 0, only_overhead, overhead), np.maximum(per_seq, 0)
+    error = rr - 2 * overhead * d - 2 * per_seq * e + overhead**2 * a + 2 * overhead * per_seq * b + per_seq**2 * c
+    return overhead, per_seq, error
 
 
 def relative_errors(profile: StepProfile, points: list[StepPoint]) -> np.ndarray:

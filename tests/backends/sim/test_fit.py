@@ -26,11 +26,12 @@ def _gpu(**changes) -> StepProfile:
 
 
 @pytest.mark.parametrize("cells_at_once", [None, 20_000])  # the grid whole, and a block of ~2 efficiencies at a time
-def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, monkeypatch):
+@pytest.mark.parametrize("launches_overlap", [True, False])  # a GPU's launches beside its work, a CPU's after
+def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, launches_overlap, monkeypatch):
     if cells_at_once is not None:
         monkeypatch.setattr("backends.sim.fit.GRID_CELLS_AT_ONCE", cells_at_once)
     truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, per_sequence_s=1e-5,
-                 per_layer_launch_s=1e-4)
+                 per_layer_launch_s=1e-4, launches_overlap=launches_overlap)
     points = []
     for model in ("design_12b", "smollm2"):
         cost = model_cost(model)
@@ -39,7 +40,7 @@ def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, monkeyp
         for q, c in shapes:
             work = StepWork.of(q, c, len(q))
             points.append(StepPoint(cost, work, StepTimeModel(truth, cost).seconds_of(work)))
-    fitted = fit_profile(points, _gpu())
+    fitted = fit_profile(points, _gpu(launches_overlap=launches_overlap))
     assert fitted.compute_efficiency == pytest.approx(0.5) and fitted.memory_efficiency == pytest.approx(0.8)
     assert fitted.per_layer_launch_s == pytest.approx(1e-4)
     assert fitted.step_overhead_s == pytest.approx(0.002, rel=1e-3)
