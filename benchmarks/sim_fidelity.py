@@ -94,13 +94,14 @@ def cached_tokens(out: Path) -> list[int]:
 
 
 def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0,
-             routing: str = ROUTING) -> dict:
+             routing: str = ROUTING, seed: int = 0) -> dict:
     from backends.native.config import EngineConfig
     from backends.sim.cli import routing_config
     from backends.sim.virtual import VirtualFleet, engine_tokenizer
 
     config = EngineConfig(**engine)
-    fleet = VirtualFleet(config, replicas, routing_config(routing), engine_tokenizer(config), frontend_s=frontend_s)
+    fleet = VirtualFleet(config, replicas, routing_config(routing), engine_tokenizer(config), seed=seed,
+                         frontend_s=frontend_s)
     return fleet.run(requests).summary
 
 
@@ -127,7 +128,8 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
     """Per profile, per workload: simulated against real, the same requests (the real runs shared by every
     profile). With ``rounds``, each workload runs that many times on fresh prompts (seeds 0, 1, ...) and each
     figure is the median real against the median of the rounds' simulated twins: a real run on two shared cores
-    moves by 10-30% from one round to the next, the simulator not at all."""
+    moves by 10-30% from one round to the next, the simulator only by its draws from a profile's step spread
+    (seeded by the round)."""
     rows: dict[str, dict] = {profile: {} for profile in profiles}
     with contextlib.ExitStack() as stack:
         url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
@@ -140,8 +142,8 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
                             if name == "multi_turn" else replayed(result))
                 for profile in profiles:
                     engine = {"simulate": {"profile": profile}}
-                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s)))
-                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests)))
+                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=seed)))
+                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=seed)))
             for profile in profiles:
                 rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs[profile].items()}
                 print(name, profile, _ratios(rows[profile][name]), flush=True)

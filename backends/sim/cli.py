@@ -64,6 +64,10 @@ def fit(
                                               "add up) to 1 (the roofline).")] = False,
     memory_overlap: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="Take that share as "
                                                          "given instead (default: a CPU's 0, a GPU's 1).")] = None,
+    spread: Annotated[bool | None, typer.Option("--spread/--no-spread", help="Keep the measured steps' spread "
+                                                "around the model, for simulated steps to draw from (default: when "
+                                                "each step was timed alone: --native, saved steps, step traces; not "
+                                                "a grid's medians).", show_default=False)] = None,
 ) -> None:
     """Fit a device profile on measured steps and write it: a GPU's from committed GPU results, a CPU's from
     the native engine run here."""
@@ -90,6 +94,7 @@ def fit(
         try:
             base = fitting.gpu_base_profile(name or gpu, gpu)
             points = [p for path in measured for p in fitting.points_from_file(path)]
+            one_by_one = all(fitting.timed_one_by_one(path) for path in measured)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--gpu / --from") from None
     else:  # a CPU: its measured peaks travel with its steps
@@ -106,6 +111,7 @@ def fit(
                                      "--gpu", param_hint="--from")
         base = fitting.cpu_base_profile(name or "cpu", steps)
         points = fitting.points_from_steps(steps)
+        one_by_one = True
     from backends.sim.profile import load_profile
 
     if memory_overlap is not None:
@@ -114,9 +120,11 @@ def fit(
     how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
                     *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap,
-                    *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"])])
+                    *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"]),
+                    *([] if spread is None else ["--spread" if spread else "--no-spread"])])
     try:
-        profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap)
+        profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap,
+                                      spread=one_by_one if spread is None else spread)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--from") from None
     profile.save(out)
@@ -124,7 +132,9 @@ def fit(
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
                f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "
-               f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%} -> {out}")
+               f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%}"
+               + (f"; measured / modelled p5-p95 {spread_of[5]:.2f}-{spread_of[95]:.2f}"
+                  if (spread_of := profile.step_spread) else "") + f" -> {out}")
 
 
 def _relative(path: Path) -> str:
@@ -266,7 +276,11 @@ def run(
     max_num_seqs: Annotated[int, typer.Option(min=1, metavar="N", help="Each engine's concurrency.", rich_help_panel=FLEET)] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option(min=16, metavar="N", help="Each engine's step budget.", rich_help_panel=FLEET)] = 8192,
     tensor_parallel_size: Annotated[int, typer.Option(min=1, metavar="N", help="GPUs per replica.", rich_help_panel=FLEET)] = 1,
-    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the prompts, arrivals and tie-breaks.", rich_help_panel=TRAFFIC)] = 0,
+    spread: Annotated[bool, typer.Option("--spread/--no-spread", help="Each step's time drawn from the profile's "
+                                         "measured step spread, where it has one (--no-spread: the modelled time).",
+                                         rich_help_panel=FLEET)] = True,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the prompts, arrivals, tie-breaks and step "
+                                      "spread's draws.", rich_help_panel=TRAFFIC)] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """A fleet of simulated replicas on a virtual clock, routed by the gateway's own policies: what a client
@@ -280,7 +294,8 @@ def run(
         raise typer.BadParameter(conflict, param_hint="options")
 
     try:
-        engine = EngineConfig(model_path=str(model), simulate=SimulationConfig(profile=profile, real_time=False),
+        engine = EngineConfig(model_path=str(model), simulate=SimulationConfig(profile=profile, real_time=False,
+                                                                               spread=spread),
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               tensor_parallel_size=tensor_parallel_size)
         tokenizer = engine_tokenizer(engine)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from backends.native.config import ModelConfig
-from backends.sim.profile import ProfileSource, StepProfile
+from backends.sim.profile import SPREAD_POINTS, ProfileSource, StepProfile
 from backends.sim.step_time import StepCost, StepTimeModel, StepWork
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,12 +39,14 @@ class StepPoint:
 
 
 def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepProfile | None = None,
-                how: str = "", files: list[str] | None = None, fit_overlap: bool = False) -> StepProfile:
+                how: str = "", files: list[str] | None = None, fit_overlap: bool = False,
+                spread: bool = False) -> StepProfile:
     """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
     with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
     prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, how much a
     part's FLOPs and bytes overlap is fitted too (``memory_overlap``, from 0: they add up, to 1: the roofline, in
-    tenths); else ``base`` says."""
+    tenths); else ``base`` says. With ``spread`` (points timed one by one), the measured / modelled ratios'
+    percentiles are kept as the profile's ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     y = np.array([p.seconds for p in points])
@@ -85,6 +87,8 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),
                                      "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
     errors = relative_errors(fitted, points)
+    if spread:
+        fitted.step_spread = [float(r) for r in np.quantile(1 / (1 + errors), np.linspace(0, 1, SPREAD_POINTS))]
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
                                   median_abs_error=float(np.median(np.abs(errors))),
                                   max_abs_error=float(np.max(np.abs(errors))))
@@ -327,6 +331,13 @@ def load_steps(path: Path | str) -> dict:
             return parse_trace(text.splitlines())
         except (json.JSONDecodeError, StopIteration):
             raise ValueError(f"{path}: neither measured steps (JSON) nor a step trace (JSON lines)") from None
+
+
+def timed_one_by_one(path: Path | str) -> bool:
+    """Whether a file ``points_from_file`` reads holds steps each timed alone (saved steps, a step trace), not the
+    medians of a grid."""
+    data = load_steps(path)
+    return "steps" in data and "parts" not in data
 
 
 def points_from_file(path: Path | str) -> list[StepPoint]:

@@ -5,15 +5,17 @@ efficiencies of a measured GPU, and say so."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from backends.native.gpus import GPUS
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+SPREAD_POINTS = 101  # a step spread's quantiles: every percentile, 0 to 100
 REFERENCE_GPU_PROFILE = "h100"  # whose efficiencies an unmeasured GPU type borrows
 # NVLink 4 (H100 SXM: 900 GB/s both ways) per direction; PCIe 4 x16 for the GeForce and L40S parts
 NVLINK_BANDWIDTH, PCIE_BANDWIDTH = 450e9, 32e9
@@ -55,7 +57,19 @@ class StepProfile(BaseModel):
     allreduce_latency_s: float = Field(10e-6, ge=0)
     block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)
     dtype: str = "bfloat16"  # the engine's compute dtype on this device
+    # measured / modelled time of the steps fitted on, at every percentile, where each step was timed alone (a
+    # served trace, the native engine's steps; not a grid's medians): a simulated step's time is its modelled time
+    # times a draw from it (the host's jitter, and what the model misses of a step's shape). None: exactly modelled
+    step_spread: list[float] | None = None
     source: ProfileSource
+
+    @field_validator("step_spread")
+    @classmethod
+    def _percentiles(cls, spread: list[float] | None) -> list[float] | None:
+        if spread is not None and (len(spread) != SPREAD_POINTS or spread[0] <= 0
+                                   or any(b < a for a, b in itertools.pairwise(spread))):
+            raise ValueError(f"step_spread is {SPREAD_POINTS} positive ratios, the percentiles 0-100 in order")
+        return spread
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +79,14 @@ class StepProfile(BaseModel):
             data = dict(data)
             data["memory_overlap"] = 1.0 if data.pop("overlaps_memory") else 0.0
         return data
+
+    def spread_factor(self, u: float) -> float:
+        """The measured / modelled ratio at quantile ``u`` (0-1) of the step spread, interpolated; 1 without one."""
+        if self.step_spread is None:
+            return 1.0
+        at = u * (SPREAD_POINTS - 1)
+        i = min(int(at), SPREAD_POINTS - 2)
+        return self.step_spread[i] + (self.step_spread[i + 1] - self.step_spread[i]) * (at - i)
 
     def save(self, path: Path | str) -> None:
         Path(path).write_text(json.dumps(self.model_dump(), indent=1) + "\n")

@@ -1,7 +1,7 @@
 """The model runner of a simulated replica: it computes nothing, picks filler tokens, and takes the step-time
-model's seconds for each step, so that the native engine's own scheduler and block manager (continuous
-batching, chunked prefill, the prefix cache with eviction, preemption) run as they would on the device the
-profile describes, without the device.
+model's seconds for each step (times a seeded draw from the profile's measured step spread, where it has one), so
+that the native engine's own scheduler and block manager (continuous batching, chunked prefill, the prefix cache
+with eviction, preemption) run as they would on the device the profile describes, without the device.
 
 In real time (served replicas) ``execute`` returns when the modelled step would have ended. The host's work
 between steps overlaps the device's step as async scheduling makes it on a GPU: a step starts when the
@@ -11,6 +11,7 @@ virtual time the caller advances its own clock by ``last_step_s``."""
 from __future__ import annotations
 
 import itertools
+import random
 import time
 
 import torch
@@ -78,6 +79,7 @@ class SimulatedRunner:
         self.kv_medium = "CPU" if profile.memory_bytes is None else "GPU"  # where its KV events say blocks are
         filler = [t for t in tokenizer.encode(FILLER) if t not in eos_token_ids and t < model.vocab_size]
         self._tokens = itertools.cycle(filler or [0])
+        self._spread = random.Random(simulation.seed) if simulation.spread and profile.step_spread else None
         self.last_step_s = 0.0
         self._free_at = 0.0  # real time: when the device finishes the step in flight (time.monotonic)
         self._previous_s = 0.0  # real time: the modelled seconds of that step
@@ -91,9 +93,12 @@ class SimulatedRunner:
                                    config.max_num_batched_tokens, config.max_num_seqs)
 
     def execute(self, batch, previous=None) -> list[int]:
-        """The step's modelled seconds in ``last_step_s`` (slept in real time); one filler token per sampled row."""
+        """The step's modelled seconds in ``last_step_s`` (slept in real time), drawn from the profile's step spread
+        where it has one; one filler token per sampled row."""
         rows = sum(batch.sample)
         self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows)
+        if self._spread is not None:
+            self.last_step_s *= self.profile.spread_factor(self._spread.random())
         if self.real_time:
             self._pace(self.last_step_s)
         return [next(self._tokens) for _ in range(rows)]

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 from backends.base import Backend, EngineStats, GenerationRequest, InvalidRequestError, SamplingParams
 from backends.kv_events import BlockRemoved, BlockStored
-from backends.native.config import EngineConfig, SimulationConfig
+from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
 from backends.sim.runner import SimulatedRunner
 from backends.tokenizer import Tokenizer
@@ -97,17 +97,19 @@ class VirtualFleet:
     routed by ``routing`` (a policy config of the gateway's). ``frontend_s``: the time from a client's send to
     its engine's queue (HTTP, the gateway, tokenizing), 0 for an ideal front end; it delays every token a client
     sees by as much. ``kv_events``: a cache-aware policy's index follows the engines' KV events (precise), else
-    only its own routing decisions (approximate)."""
+    only its own routing decisions (approximate). ``seed``: the policies' tie-breaks, re-rendered histories' tokens,
+    and (with the engine's own ``simulate.seed``) each replica's draws from its profile's step spread."""
 
     def __init__(self, engine: EngineConfig, replicas: int, routing: PolicyConfig, tokenizer: Tokenizer | None = None,
                  max_concurrency: int = 1024, seed: int = 0, frontend_s: float = 0.0, kv_events: bool = True) -> None:
         self.frontend_s, self.kv_events = frontend_s, kv_events
         if engine.simulate is None:
             raise ValueError("a virtual fleet runs simulated replicas: the engine config needs `simulate`")
-        config = engine.model_copy(update={"simulate": SimulationConfig(profile=engine.simulate.profile,
-                                                                        real_time=False), "warmup": False})
-        first = LLMEngine(config, tokenizer)
-        engines = [first] + [LLMEngine(config, first.tokenizer) for _ in range(replicas - 1)]
+        configs = [engine.model_copy(update={"warmup": False, "simulate": engine.simulate.model_copy(update={
+            "real_time": False, "seed": random.Random(f"{seed}/{engine.simulate.seed}/{i}").getrandbits(64)})})
+            for i in range(replicas)]  # each replica draws its steps' spread from its own stream
+        first = LLMEngine(configs[0], tokenizer)
+        engines = [first] + [LLMEngine(config, first.tokenizer) for config in configs[1:]]
         self.replicas = [_Replica(f"replica-{i}", e, max_concurrency) for i, e in enumerate(engines)]
         deployments = [r.deployment for r in self.replicas]
         self.policy = POLICIES[routing.policy](routing, deployments)

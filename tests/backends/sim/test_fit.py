@@ -63,6 +63,39 @@ def test_with_fit_overlap_the_fit_finds_how_much_flops_and_bytes_overlap(overlap
     assert fit_profile(points, _gpu(memory_overlap=other)).memory_overlap == other
 
 
+def test_with_spread_the_fit_keeps_the_percentiles_of_measured_over_modelled():
+    """Steps timed at 0.9, 1 and 1.1 times the model that made them, in turn, over many shapes: the fit finds that
+    model, and its step spread runs from 0.9 through 1 to 1.1."""
+    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002)
+    cost = model_cost("smollm2")
+    works = [StepWork.of(q, c, len(q)) for q, c in [([512] * n, [512] * n) for n in (1, 2, 4, 8, 16)]
+             + [([1] * n, [c] * n) for n in (1, 8, 16, 64, 256) for c in (256, 512, 2048)]]
+    points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w) * factor)
+              for w in works for factor in (0.9, 1.0, 1.1)]
+    fitted = fit_profile(points, _gpu(), spread=True)
+    spread = fitted.step_spread
+    assert spread is not None and len(spread) == 101
+    # relative errors of a model above the measured time weigh more than below: the fit sits a little low
+    assert spread[100] / spread[0] == pytest.approx(1.1 / 0.9, rel=0.01) and spread[50] == pytest.approx(1.0, abs=0.03)
+    assert fit_profile(points, _gpu()).step_spread is None  # not asked: each step takes the model's time
+
+
+@pytest.mark.parametrize("spread", [[1.0] * 100, [1.0] * 100 + [0.5], [0.0] * 101])
+def test_a_step_spread_is_every_percentile_positive_and_in_order(spread):
+    with pytest.raises(ValueError, match="step_spread"):
+        _gpu(step_spread=spread)
+
+
+@pytest.mark.parametrize("option, kept", [([], True), (["--no-spread"], False)])
+def test_sim_fit_keeps_the_spread_of_steps_timed_one_by_one_unless_told_not_to(option, kept, tmp_path):
+    out = tmp_path / "p.json"
+    steps = "benchmarks/results/sim_cpu_steps_zen4.json"
+    result = CliRunner().invoke(app, ["sim", "fit", "--from", steps, *option, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(str(out))
+    assert (profile.step_spread is not None) == kept and profile.source.how.endswith(f"{steps}{' --no-spread' * (not kept)}")
+
+
 def test_too_few_steps_are_refused():
     cost = model_cost("smollm2")
     with pytest.raises(ValueError, match="at least 3"):
@@ -84,9 +117,11 @@ def test_each_committed_profile_comes_back_from_the_data_it_names(name, tmp_path
 
 
 def _split(profile: dict) -> tuple[dict, dict]:
-    """(the profile's float fields, its others), its source's among them."""
-    fields = {**{k: v for k, v in profile.items() if k != "source"},
-              **{f"source.{k}": v for k, v in profile["source"].items()}}
+    """(the profile's float fields, its others), its source's and its step spread's among them."""
+    fields = {**{k: v for k, v in profile.items() if k not in ("source", "step_spread")},
+              **{f"source.{k}": v for k, v in profile["source"].items()},
+              **{f"step_spread.{i}": v for i, v in enumerate(profile["step_spread"] or [])},
+              "step_spread": profile["step_spread"] is not None}
     floats = {k: v for k, v in fields.items() if isinstance(v, float)}
     return floats, {k: v for k, v in fields.items() if k not in floats}
 

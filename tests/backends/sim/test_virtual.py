@@ -48,6 +48,34 @@ def test_a_replica_runs_one_step_at_a_time_and_tokens_arrive_when_their_step_end
     assert second.chunk_times == pytest.approx([0.2, 0.3]) and second.ttft == pytest.approx(0.15)
 
 
+EVEN_SPREAD = [0.5 + i / 100 for i in range(101)]  # measured / modelled spread evenly over 0.5-1.5
+
+
+def _step_times(tmp_path, tokenizer, requests: int = 1, fleet_seed: int = 0, **simulate) -> list[list[float]]:
+    """Each request's step times (200 tokens alone on its replica) on a device modelled at 0.1 s a step."""
+    profile = constant_step_profile(tmp_path, 0.1, EVEN_SPREAD)
+    config = EngineConfig(model_path=DESIGN, simulate=SimulationConfig(profile=str(profile), **simulate))
+    work = [SimRequest(0.0, list(range(1000 * (r + 1), 1000 * (r + 1) + 10)), 200) for r in range(requests)]
+    records = VirtualFleet(config, requests, RoundRobinConfig(), tokenizer, seed=fleet_seed).run(work).records
+    return [[b - a for a, b in zip([0.0, *r.chunk_times], r.chunk_times)] for r in records]
+
+
+def test_each_step_takes_its_modelled_time_times_a_draw_from_the_profiles_step_spread(tmp_path, smollm2_tokenizer):
+    (steps,) = _step_times(tmp_path, smollm2_tokenizer)
+    assert min(steps) >= 0.05 - 1e-9 and max(steps) <= 0.15 + 1e-9  # 0.1 s times a ratio of 0.5-1.5
+    assert len({round(s, 9) for s in steps}) > 150 and sum(steps) / len(steps) == pytest.approx(0.1, abs=0.007)
+    (exact,) = _step_times(tmp_path, smollm2_tokenizer, spread=False)  # simulate.spread off: the model's time
+    assert exact == pytest.approx([0.1] * 200)
+
+
+def test_the_spreads_draws_are_seeded_and_each_replica_draws_its_own(tmp_path, smollm2_tokenizer):
+    first, second = _step_times(tmp_path, smollm2_tokenizer, requests=2)
+    assert _step_times(tmp_path, smollm2_tokenizer, requests=2) == [first, second]  # the same seed, the same steps
+    assert first != second  # two replicas, two streams
+    assert _step_times(tmp_path, smollm2_tokenizer, requests=2, fleet_seed=1)[0] != first  # the fleet's seed
+    assert _step_times(tmp_path, smollm2_tokenizer, requests=2, seed=1)[0] != first  # and the engine's own
+
+
 def test_each_turn_of_a_conversation_carries_the_whole_history(h100):
     requests = conversation_workload(users=2, turns=3, system_len=300, question_len=20, output_len=10,
                                      arrivals=[0.0, 0.0], think_s=1.0)
