@@ -4,17 +4,21 @@ HTTPS upstream signed by a private CA that asks for the gateway's own certificat
 
 from __future__ import annotations
 
+import socket
 import ssl
+import time
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import trustme
 from pydantic import ValidationError
 
 from gateway.app import create_app
-from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, OpenAIDeployment, Resilience, Settings
+from gateway.config import DEFAULT_MODEL_NAME, ModelRoute, OpenAIDeployment, Resilience, Server, Settings
+from gateway.http_server import uvicorn_options
 from gateway.service import Gateway
 from loadtest.mock_server import create_mock_app
 from tests.servers import burstgate_serve, serve_app
@@ -79,6 +83,32 @@ def test_a_stream_answering_when_the_server_stops_ends_whole_and_the_server_exit
         # the client keeps the connection in its pool, unread: the server closes it after the answer and does
         # not wait out asyncio's 30 s for the client's close_notify
         served.proc.wait(timeout=20)
+
+
+def test_an_idle_keep_alive_connection_timed_out_is_gone_within_the_grace_though_its_client_never_reads(
+        pki, monkeypatch):
+    """A TLS close waits for the client's close_notify, which a client idle in its pool sends only when it next
+    reads (asyncio waits 30 s): the keep-alive timeout's close is bounded as every TLS close is."""
+    monkeypatch.setattr("gateway.http_server.TLS_CLOSE_GRACE_S", 1.0)
+    server = Server(keep_alive_timeout_s=0.5)
+    with serve_app(create_mock_app(), ssl_keyfile=str(pki["server_key"]), ssl_certfile=str(pki["server_cert"]),
+                   **uvicorn_options(server)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        context = client_context(pki, with_certificate=False)
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1") as tls:
+            tls.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            assert tls.recv(65536).startswith(b"HTTP/1.1 200")  # answered, kept alive; then never read again
+            client_port = tls.getsockname()[1]
+
+            def server_side_open() -> bool:  # the server runs in this process: its end of the connection
+                return any(c.laddr and c.raddr and c.laddr.port == port and c.raddr.port == client_port
+                           for c in psutil.Process().net_connections(kind="tcp"))
+
+            assert server_side_open()
+            deadline = time.monotonic() + 10  # timeout 0.5 s + grace 1 s, far below asyncio's 30 s
+            while server_side_open() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not server_side_open()
 
 
 @pytest.fixture(scope="module")
