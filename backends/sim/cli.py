@@ -28,6 +28,8 @@ def profiles() -> None:
         p = load_profile(name)
         fitted = (PROFILES_DIR / f"{name}.json").exists()
         error = f", median error {p.source.median_abs_error:.1%} on {p.source.points} steps" if fitted else ""
+        if spread := p.step_spread:
+            error += f", measured / modelled p5-p95 {spread[5]:.2f}-{spread[95]:.2f}"
         typer.echo(f"{name:<10} {p.device}: compute {p.compute_efficiency:.0%} of {p.peak_flops / 1e12:,.1f} TFLOP/s, "
                    f"memory {p.memory_efficiency:.0%} of {p.bandwidth / 1e9:,.0f} GB/s"
                    + (error if fitted else " (derived)"))

@@ -96,6 +96,16 @@ def test_sim_fit_keeps_the_spread_of_steps_timed_one_by_one_unless_told_not_to(o
     assert (profile.step_spread is not None) == kept and profile.source.how.endswith(f"{steps}{' --no-spread' * (not kept)}")
 
 
+def test_sim_profiles_lists_each_profile_with_its_fit_and_spread():
+    lines = CliRunner().invoke(app, ["sim", "profiles"]).output.splitlines()
+    listed = {line.split()[0]: line for line in lines}
+    for name in (p.stem for p in PROFILES_DIR.glob("*.json")):
+        profile = load_profile(name)
+        assert f"on {profile.source.points} steps" in listed[name]
+        assert ("p5-p95" in listed[name]) == (profile.step_spread is not None)
+    assert listed["a100-80g"].endswith("(derived)")
+
+
 def test_too_few_steps_are_refused():
     cost = model_cost("smollm2")
     with pytest.raises(ValueError, match="at least 3"):
