@@ -29,7 +29,7 @@ def profiles() -> None:
         fitted = (PROFILES_DIR / f"{name}.json").exists()
         error = f", median error {p.source.median_abs_error:.1%} on {p.source.points} steps" if fitted else ""
         if spread := p.step_spread:
-            error += f", measured / modelled p5-p95 {spread[5]:.2f}-{spread[95]:.2f}"
+            error += f", step spread p5-p95 {spread[5]:.2f}-{spread[95]:.2f}"
         typer.echo(f"{name:<10} {p.device}: compute {p.compute_efficiency:.0%} of {p.peak_flops / 1e12:,.1f} TFLOP/s, "
                    f"memory {p.memory_efficiency:.0%} of {p.bandwidth / 1e9:,.0f} GB/s"
                    + (error if fitted else " (derived)"))
@@ -135,7 +135,7 @@ def fit(
                f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "
                f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%}"
-               + (f"; measured / modelled p5-p95 {spread_of[5]:.2f}-{spread_of[95]:.2f}"
+               + (f"; step spread p5-p95 {spread_of[5]:.2f}-{spread_of[95]:.2f}"
                   if (spread_of := profile.step_spread) else "") + f" -> {out}")
 
 

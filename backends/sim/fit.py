@@ -45,8 +45,8 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
     prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, how much a
     part's FLOPs and bytes overlap is fitted too (``memory_overlap``, from 0: they add up, to 1: the roofline, in
-    tenths); else ``base`` says. With ``spread`` (points timed one by one), the measured / modelled ratios'
-    percentiles are kept as the profile's ``step_spread``."""
+    tenths); else ``base`` says. With ``spread`` (points timed one by one), the percentiles of the measured /
+    modelled ratios over their mean are kept as the profile's ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     y = np.array([p.seconds for p in points])
@@ -87,8 +87,9 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),
                                      "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
     errors = relative_errors(fitted, points)
-    if spread:
-        fitted.step_spread = [float(r) for r in np.quantile(1 / (1 + errors), np.linspace(0, 1, SPREAD_POINTS))]
+    if spread:  # around the model's mean: the fit sets a step's expected time, the spread only how it varies
+        ratios = 1 / (1 + errors)
+        fitted.step_spread = [float(r) for r in np.quantile(ratios / ratios.mean(), np.linspace(0, 1, SPREAD_POINTS))]
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
                                   median_abs_error=float(np.median(np.abs(errors))),
                                   max_abs_error=float(np.max(np.abs(errors))))

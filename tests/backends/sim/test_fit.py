@@ -75,8 +75,8 @@ def test_with_spread_the_fit_keeps_the_percentiles_of_measured_over_modelled():
     fitted = fit_profile(points, _gpu(), spread=True)
     spread = fitted.step_spread
     assert spread is not None and len(spread) == 101
-    # relative errors of a model above the measured time weigh more than below: the fit sits a little low
-    assert spread[100] / spread[0] == pytest.approx(1.1 / 0.9, rel=0.01) and spread[50] == pytest.approx(1.0, abs=0.03)
+    assert spread[100] / spread[0] == pytest.approx(1.1 / 0.9, rel=0.01) and spread[50] == pytest.approx(1.0, abs=0.01)
+    assert sum(spread) / len(spread) == pytest.approx(1.0, abs=0.01)  # around the mean: the fit keeps the mean
     assert fit_profile(points, _gpu()).step_spread is None  # not asked: each step takes the model's time
 
 
