@@ -56,7 +56,9 @@ class SimulationConfig(BaseModel):
     profile: str  # a profile file, a name in backends/sim/profiles, or a GPU type of the planner's
     real_time: bool = True  # sleep each step's modelled time; False: a virtual-time driver keeps the clock
     spread: bool = True  # each step's time drawn from the profile's measured step spread, if it has one
-    seed: int | None = None  # of those draws; None: fresh at each start, as a real host's jitter is
+    # of those draws; None: fresh at each start, as a real host's jitter is (a virtual fleet derives each replica's
+    # from its own seed and this); served replicas given one seed draw alike
+    seed: int | None = None
 
     @field_validator("profile")
     @classmethod

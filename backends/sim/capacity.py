@@ -151,8 +151,9 @@ def plan_fleet(engine: EngineConfig, profile: str, requests: list[SimRequest], s
 
 def _plan_at(engine: EngineConfig, profile: str, requests: list[SimRequest], slos: dict[str, float],
              routing: PolicyConfig, max_replicas: int, tp: int, tokenizer: Tokenizer) -> FleetPlan:
-    simulated = engine.model_copy(update={"simulate": SimulationConfig(profile=profile, real_time=False),
-                                          "tensor_parallel_size": tp})
+    simulate = (engine.simulate or SimulationConfig(profile=profile)).model_copy(
+        update={"profile": profile, "real_time": False})  # the engine's own spread and seed, if it has them
+    simulated = engine.model_copy(update={"simulate": simulate, "tensor_parallel_size": tp})
 
     def run(replicas: int) -> dict:
         return VirtualFleet(simulated, replicas, routing, tokenizer).run(requests).summary

@@ -28,8 +28,7 @@ def profiles() -> None:
         p = load_profile(name)
         fitted = (PROFILES_DIR / f"{name}.json").exists()
         error = f", median error {p.source.median_abs_error:.1%} on {p.source.points} steps" if fitted else ""
-        if spread := p.step_spread:
-            error += f", step spread p5-p95 {spread[5]:.2f}-{spread[95]:.2f}"
+        error += _spread_words(p.step_spread, ", ")
         typer.echo(f"{name:<10} {p.device}: compute {p.compute_efficiency:.0%} of {p.peak_flops / 1e12:,.1f} TFLOP/s, "
                    f"memory {p.memory_efficiency:.0%} of {p.bandwidth / 1e9:,.0f} GB/s"
                    + (error if fitted else " (derived)"))
@@ -95,8 +94,9 @@ def fit(
             raise typer.BadParameter("--native measures this machine's CPU, not a GPU", param_hint="--gpu")
         try:
             base = fitting.gpu_base_profile(name or gpu, gpu)
-            points = [p for path in measured for p in fitting.points_from_file(path)]
-            one_by_one = all(fitting.timed_one_by_one(path) for path in measured)
+            files = [fitting.points_from_file(path) for path in measured]
+            points = [p for file_points, _ in files for p in file_points]
+            one_by_one = all(alone for _, alone in files)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--gpu / --from") from None
     else:  # a CPU: its measured peaks travel with its steps
@@ -135,8 +135,12 @@ def fit(
                f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "
                f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%}"
-               + (f"; step spread p5-p95 {spread_of[5]:.2f}-{spread_of[95]:.2f}"
-                  if (spread_of := profile.step_spread) else "") + f" -> {out}")
+               f"{_spread_words(profile.step_spread, '; ')} -> {out}")
+
+
+def _spread_words(spread: list[float] | None, before: str) -> str:
+    """A profile's step spread in a few words (its 5th to 95th percentile), or nothing without one."""
+    return f"{before}step spread p5-p95 {spread[5]:.2f}-{spread[95]:.2f}" if spread else ""
 
 
 def _relative(path: Path) -> str:

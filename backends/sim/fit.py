@@ -64,7 +64,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     # at once is gigabytes of temporaries
     cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
     blocks = np.array_split(computes, min(len(computes), -(-cells // GRID_CELLS_AT_ONCE)))
-    weights = (w2.sum(), (w2 * n).sum(), (w2 * n * n).sum())
+    weight_sums = (w2.sum(), (w2 * n).sum(), (w2 * n * n).sum())
     best = None
     for overlap in OVERLAP_GRID if fit_overlap else (base.memory_overlap,):
         for block in blocks:
@@ -75,11 +75,12 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                       + f["allreduce_s"])
             for launch, sums in _residual_sums(y, device, f["launched_layers"], launch_grid, n, w2,
                                                base.launches_overlap):
-                overhead, per_seq, error = _costs(sums, weights)
+                overhead, per_seq, error = _costs(sums, weight_sums)
+                error = np.maximum(error, 0)  # expanded sums of squares can round below zero
                 i, j = np.unravel_index(np.argmin(error), error.shape)
                 # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding:
-                # the first, smallest, stays
-                if best is None or error[i, j] < best[0] * (1 - 1e-9):
+                # the candidate found first (in the loops' order: the smaller launch cost of a block) stays
+                if best is None or error[i, j] < best[0] - max(1e-9 * best[0], 1e-15):
                     best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlap)
     assert best is not None  # the grids are never empty
     _, c, m, o, s, launch, overlap = best
@@ -88,8 +89,9 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                                      "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
     errors = relative_errors(fitted, points)
     if spread:  # around the model's mean: the fit sets a step's expected time, the spread only how it varies
-        ratios = 1 / (1 + errors)
-        fitted.step_spread = [float(r) for r in np.quantile(ratios / ratios.mean(), np.linspace(0, 1, SPREAD_POINTS))]
+        quantiles = np.quantile(1 / (1 + errors), np.linspace(0, 1, SPREAD_POINTS))
+        drawn_mean = (quantiles.sum() - (quantiles[0] + quantiles[-1]) / 2) / (SPREAD_POINTS - 1)  # of spread_factor
+        fitted.step_spread = [float(q) for q in quantiles / drawn_mean]
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
                                   median_abs_error=float(np.median(np.abs(errors))),
                                   max_abs_error=float(np.max(np.abs(errors))))
@@ -125,7 +127,9 @@ def _residual_sums(y: np.ndarray, device: np.ndarray, launched: np.ndarray, laun
         for launch in launch_grid:
             yield launch, _sums(y - np.maximum(device, launch * launched), n, w2)
         return
-    free = y - device
+    free = y - device  # the residual with no launch cost
+    # r = free - launch * launched: sum(w2 r) = d - launch dl, sum(w2 n r) = e - launch el,
+    # sum(w2 r^2) = rr - 2 launch cross + launch^2 ll
     (d, e, rr), (dl, el, ll) = _sums(free, n, w2), _sums(launched, n, w2)
     cross = (w2 * launched * free).sum(-1)
     for launch in launch_grid:
@@ -137,12 +141,12 @@ def _sums(residual: np.ndarray, n: np.ndarray, w2: np.ndarray) -> tuple[np.ndarr
     return (w2 * residual).sum(-1), (w2 * n * residual).sum(-1), (w2 * residual * residual).sum(-1)
 
 
-def _costs(sums: tuple[np.ndarray, np.ndarray, np.ndarray], weights: tuple[float, float, float]
+def _costs(sums: tuple[np.ndarray, np.ndarray, np.ndarray], weight_sums: tuple[float, float, float]
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Non-negative (overhead, per-sequence) explaining a residual by weighted least squares, and the weighted
     squared error left, from the residual's ``_sums`` and the points' (weights; by sequences; by their square);
     where one cost comes out negative, it is zero and the other refitted alone."""
-    (d, e, rr), (a, b, c) = sums, weights
+    (d, e, rr), (a, b, c) = sums, weight_sums
     det = a * c - b * b
     if det <= 1e-12 * a * c:  # every step of one size: the two cannot be told apart
         overhead, per_seq = np.maximum(d / a, 0), np.zeros_like(d)
@@ -334,20 +338,14 @@ def load_steps(path: Path | str) -> dict:
             raise ValueError(f"{path}: neither measured steps (JSON) nor a step trace (JSON lines)") from None
 
 
-def timed_one_by_one(path: Path | str) -> bool:
-    """Whether a file ``points_from_file`` reads holds steps each timed alone (saved steps, a step trace), not the
-    medians of a grid."""
-    data = load_steps(path)
-    return "steps" in data and "parts" not in data
-
-
-def points_from_file(path: Path | str) -> list[StepPoint]:
-    """Measured steps from any of the files ``burstgate sim fit --from`` reads."""
+def points_from_file(path: Path | str) -> tuple[list[StepPoint], bool]:
+    """Measured steps from any of the files ``burstgate sim fit --from`` reads, and whether each was timed alone
+    (saved steps, a step trace) rather than a grid cell's median (gpu_check, cuda_engine)."""
     data = load_steps(path)
     if "parts" in data:
-        return points_from_gpu_check(path)
+        return points_from_gpu_check(path), False
     if "steps" in data:
-        return points_from_steps(data)
+        return points_from_steps(data), True
     if "design_12b" in data or "smollm2_burst" in data:
-        return points_from_cuda_engine([path])
+        return points_from_cuda_engine([path]), False
     raise ValueError(f"{path}: not a gpu_check, cuda_engine, saved-steps or step-trace file")
