@@ -22,6 +22,8 @@
         --save benchmarks/results/sim_fidelity.json
     python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-zen4-2c.json \\
         --profile backends/sim/profiles/cpu-zen4-2c-served.json --skip agreement    # two profiles, the same runs
+    python benchmarks/sim_fidelity.py --profile new.json --skip agreement --replay /tmp/sim-fidelity-xxxx \
+        --sim-seed 10    # another profile, or other draws, against real runs kept earlier (--runs DIR)
 """
 
 from __future__ import annotations
@@ -110,40 +112,54 @@ def compare(real: dict, simulated: dict) -> dict:
             for m in METRICS}
 
 
-def calibrate_frontend(out: Path) -> float:
+def stored(out: Path) -> dict:
+    """The result of a real run kept in ``out`` by an earlier run of this script (``--runs``), for ``--replay``."""
+    results = list(out.glob("*/vllm/*.json"))
+    if len(results) != 1:
+        raise SystemExit(f"{out}: no stored real run to replay (a folder --runs kept)")
+    return json.loads(results[0].read_text())
+
+
+def calibrate_frontend(out: Path, replay: bool = False) -> float:
     """Seconds the served path adds before a request's engine sees it (HTTP, the gateway, tokenizing): the median
     TTFT of a lone simulated replica, unloaded (20 requests at 2/s), served and loaded over HTTP, less the same on
-    the virtual clock with an ideal front end."""
+    the virtual clock with an ideal front end. With ``replay``, that run as ``out`` keeps it."""
     engine = {"model_path": DESIGN, "simulate": {"profile": "h100"}}
-    with contextlib.ExitStack() as stack:
-        url = serve_model(stack, [{"kind": "native", "name": "replica", **engine}], ROUTING)
-        result = loadtest(f"{url}#{MODEL}", out / "frontend", "--requests", "20", "--input-len", "512", "--output-len", "16",
-                          "--rate", "2", "--schedule", "poisson", "--seed", "1", log=out / "frontend.log")
+    if replay:
+        result = stored(out / "frontend")
+    else:
+        with contextlib.ExitStack() as stack:
+            url = serve_model(stack, [{"kind": "native", "name": "replica", **engine}], ROUTING)
+            result = loadtest(f"{url}#{MODEL}", out / "frontend", "--requests", "20", "--input-len", "512",
+                              "--output-len", "16", "--rate", "2", "--schedule", "poisson", "--seed", "1",
+                              log=out / "frontend.log")
     simulated = simulate(engine, 1, replayed(result))
     return (result["median_ttft_ms"] - simulated["median_ttft_ms"]) / 1e3
 
 
-def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path, rounds: int = 1
-             ) -> dict[str, dict]:
+def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path, rounds: int = 1,
+             replay: bool = False, sim_seed: int = 0) -> dict[str, dict]:
     """Per profile, per workload: simulated against real, the same requests (the real runs shared by every
     profile). With ``rounds``, each workload runs that many times on fresh prompts (seeds 0, 1, ...) and each
     figure is the median real against the median of the rounds' simulated twins: a real run on two shared cores
     moves by 10-30% from one round to the next, the simulator only by its draws from a profile's step spread
-    (seeded by the round)."""
+    (seeded by the round, plus ``sim_seed``). With ``replay``, the real runs are the ones ``out`` keeps."""
     rows: dict[str, dict] = {profile: {} for profile in profiles}
     with contextlib.ExitStack() as stack:
-        url = serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
+        url = None if replay else serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
         for name in workloads:
             pairs: dict[str, dict[str, list]] = {p: {"with_frontend": [], "ideal_frontend": []} for p in profiles}
             for seed in range(rounds):
                 run = out / f"{name}-{seed}"
-                result = loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log"))
+                result = (stored(run) if url is None else
+                          loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log")))
                 requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
                             if name == "multi_turn" else replayed(result))
                 for profile in profiles:
                     engine = {"simulate": {"profile": profile}}
-                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=seed)))
-                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=seed)))
+                    drawn = seed + sim_seed
+                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=drawn)))
+                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
             for profile in profiles:
                 rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs[profile].items()}
                 print(name, profile, _ratios(rows[profile][name]), flush=True)
@@ -233,6 +249,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="its requests")
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
     ap.add_argument("--rounds", type=_positive, default=3, help="real runs of each fidelity workload (medians compared)")
+    ap.add_argument("--runs", type=Path, metavar="DIR", help="keep the real runs in this folder (default: a new "
+                                                             "temporary one, printed)")
+    ap.add_argument("--replay", type=Path, metavar="DIR", help="simulate against the real runs a folder of --runs "
+                                                               "keeps instead of running them (no server started)")
+    ap.add_argument("--sim-seed", type=int, default=0, metavar="N", help="added to each round's seed of the "
+                                                                         "simulator's step-spread draws")
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     record = run_record()
@@ -242,11 +264,19 @@ def main() -> None:
         if args.save:
             args.save.write_text(json.dumps(record, indent=1) + "\n")
         return
-    out = Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
-    record["frontend_s"] = frontend_s = calibrate_frontend(out)
+    if args.replay and args.runs:
+        ap.error("--replay reads the runs a folder keeps; --runs keeps new ones")
+    if args.replay and "agreement" not in args.skip:
+        ap.error("--replay replays the fidelity runs only: add --skip agreement")
+    replay = args.replay is not None
+    out = args.replay or args.runs or Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"real runs: {out}{' (replayed)' * replay}", flush=True)
+    record["frontend_s"] = frontend_s = calibrate_frontend(out, replay)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
     if "fidelity" not in args.skip:
-        by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out, args.rounds)
+        by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out, args.rounds, replay,
+                              args.sim_seed)
         record["profile"], record["fidelity"] = args.profile[0], by_profile[args.profile[0]]
         if len(args.profile) > 1:
             record["fidelity_by_profile"] = by_profile
