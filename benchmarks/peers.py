@@ -132,8 +132,15 @@ def loadtest(target: str, out: Path, *options: str, cpus: str | None = None, log
                     "--no-plots")
     with open(log or os.devnull, "w") as output:
         subprocess.run(pinned(cmd, cpus), check=True, stdout=output, stderr=subprocess.STDOUT)
-    (result,) = out.glob("*/vllm/*.json")
-    return json.loads(result.read_text())
+    return loadtest_result(out)
+
+
+def loadtest_result(out: Path) -> dict:
+    """The result (vLLM's schema) of the one ``burstgate loadtest run`` whose files are in ``out``."""
+    results = list(out.glob("*/vllm/*.json"))
+    if len(results) != 1:
+        raise FileNotFoundError(f"{out}: not the files of one load-test run ({len(results)} results)")
+    return json.loads(results[0].read_text())
 
 
 @contextlib.contextmanager

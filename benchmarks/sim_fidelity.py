@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import loadtest, run_record
+from peers import loadtest, loadtest_result, run_record
 from served_burst import MODEL, serve_model
 
 WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
@@ -114,10 +114,10 @@ def compare(real: dict, simulated: dict) -> dict:
 
 def stored(out: Path) -> dict:
     """The result of a real run kept in ``out`` by an earlier run of this script (``--runs``), for ``--replay``."""
-    results = list(out.glob("*/vllm/*.json"))
-    if len(results) != 1:
-        raise SystemExit(f"{out}: no stored real run to replay (a folder --runs kept)")
-    return json.loads(results[0].read_text())
+    try:
+        return loadtest_result(out)
+    except FileNotFoundError as exc:
+        raise SystemExit(f"{exc}: no stored real run to replay (a folder --runs kept)") from None
 
 
 def calibrate_frontend(out: Path, replay: bool = False) -> float:
@@ -155,9 +155,9 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
                           loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log")))
                 requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
                             if name == "multi_turn" else replayed(result))
+                drawn = seed + sim_seed
                 for profile in profiles:
                     engine = {"simulate": {"profile": profile}}
-                    drawn = seed + sim_seed
                     pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=drawn)))
                     pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
             for profile in profiles:
@@ -269,8 +269,10 @@ def main() -> None:
     if args.replay and "agreement" not in args.skip:
         ap.error("--replay replays the fidelity runs only: add --skip agreement")
     replay = args.replay is not None
+    if replay and not args.replay.is_dir():
+        ap.error(f"--replay {args.replay}: no such folder")
     out = args.replay or args.runs or Path(tempfile.mkdtemp(prefix="sim-fidelity-"))
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # --runs may name a new one
     print(f"real runs: {out}{' (replayed)' * replay}", flush=True)
     record["frontend_s"] = frontend_s = calibrate_frontend(out, replay)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)

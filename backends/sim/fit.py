@@ -19,7 +19,7 @@ import numpy as np
 
 from backends.native.config import ModelConfig
 from backends.sim.profile import SPREAD_POINTS, ProfileSource, StepProfile
-from backends.sim.step_time import StepCost, StepTimeModel, StepWork
+from backends.sim.step_time import StepCost, StepTimeModel, StepWork, part_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smollm2": ROOT / "configs" / "smollm2-135m.json"}
@@ -99,8 +99,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
 
 
 def _part(flops_s: np.ndarray, bytes_s: np.ndarray, overlap: float) -> np.ndarray:
-    """A part's time from its FLOPs' and its bytes' (``StepTimeModel.parts``), on arrays."""
-    return np.maximum(flops_s, bytes_s) + (1 - overlap) * np.minimum(flops_s, bytes_s)
+    return part_seconds(flops_s, bytes_s, overlap, np.maximum, np.minimum)
 
 
 def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarray]:

@@ -79,7 +79,7 @@ class SimulatedRunner:
         self.kv_medium = "CPU" if profile.memory_bytes is None else "GPU"  # where its KV events say blocks are
         filler = [t for t in tokenizer.encode(FILLER) if t not in eos_token_ids and t < model.vocab_size]
         self._tokens = itertools.cycle(filler or [0])
-        self._spread = random.Random(simulation.seed) if simulation.spread and profile.step_spread else None
+        self._draws = random.Random(simulation.seed) if simulation.spread and profile.step_spread else None  # of the spread
         self.last_step_s = 0.0
         self._free_at = 0.0  # real time: when the device finishes the step in flight (time.monotonic)
         self._previous_s = 0.0  # real time: the modelled seconds of that step
@@ -97,8 +97,8 @@ class SimulatedRunner:
         where it has one; one filler token per sampled row."""
         rows = sum(batch.sample)
         self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows)
-        if self._spread is not None:
-            self.last_step_s *= self.profile.spread_factor(self._spread.random())
+        if self._draws is not None:
+            self.last_step_s *= self.profile.spread_factor(self._draws.random())
         if self.real_time:
             self._pace(self.last_step_s)
         return [next(self._tokens) for _ in range(rows)]

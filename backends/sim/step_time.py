@@ -120,5 +120,10 @@ class StepTimeModel:
         return linear, attention, allreduce
 
     def _part(self, flops_s: float, bytes_s: float) -> float:
-        """A part's time from its FLOPs' and its bytes': the longer, and the unhidden share of the shorter."""
-        return max(flops_s, bytes_s) + (1 - self.profile.memory_overlap) * min(flops_s, bytes_s)
+        return part_seconds(flops_s, bytes_s, self.profile.memory_overlap)
+
+
+def part_seconds(flops_s, bytes_s, overlap: float, maximum=max, minimum=min):
+    """A part's time from its FLOPs' and its bytes': the longer, and the share of the shorter ``overlap`` does not
+    hide. On plain numbers, or on arrays given numpy's ``maximum`` and ``minimum`` (the fit's grid)."""
+    return maximum(flops_s, bytes_s) + (1 - overlap) * minimum(flops_s, bytes_s)
