@@ -137,13 +137,43 @@ static __attribute__((noinline)) float silu_far_negative(const float g) {
     return sum > FLT_MAX ? -0.0f : (float)((double)g / sum);
 }
 
+/* vector_math.h's exp_f32x16 one lane at a time, for silu's e^-g in bf16 rows without its AVX-512 BF16 path:
+ * libmvec's expf, 1 ulp off on some gates, put silu(5.9375) on a bf16 midpoint that torch's lies below. Every
+ * operation is the vector one's (fmaf stays one rounding; 2^n is built from its bits, exact for the clamped range
+ * here), so the loop still vectorises. */
+static inline __attribute__((always_inline)) float exp_like_vector(float x) {
+    x = fmaxf(x, -87.0f);
+    const float n = nearbyintf(x * 1.44269504f);
+    const float f = fmaf(-n, 0.693147181f, x);
+    float p = 1.0f / 720;
+    p = fmaf(p, f, 1.0f / 120);
+    p = fmaf(p, f, 1.0f / 24);
+    p = fmaf(p, f, 1.0f / 6);
+    p = fmaf(p, f, 0.5f);
+    p = fmaf(p, f, 1.0f);
+    p = fmaf(p, f, 1.0f);
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;  /* 2^n: n in [-126, 116] for x in [-87, 80] */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* a / b rounded once, as torch divides: fast math vectorises a plain division as a reciprocal estimate and a
+ * Newton step (2 ulp), which flips bf16 midpoints (5.9375, -0.00390625 on AVX2); one exact residual (fma) and a
+ * correction from that estimate round it as a true division on every bf16 gate. */
+static inline __attribute__((always_inline)) float divide_rounded(const float a, const float b) {
+    const float y = 1.0f / b, q = a * y;
+    return fmaf(fmaf(-q, b, a), y, q);
+}
+
 static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x, void *out, const int64_t d,
                                                                     const int bf16) {
     int far = 0;
     #pragma omp simd reduction(|:far)
     for (int64_t i = 0; i < d; i++) {
         const float g = load(x, i, bf16);
-        const float silu = round_to(g / (1.0f + expf(fminf(-g, -FAR_NEGATIVE))), bf16);  /* clamped: fixed below */
+        const float t = fminf(-g, -FAR_NEGATIVE);  /* clamped: fixed below */
+        const float silu = round_to(bf16 ? divide_rounded(g, 1.0f + exp_like_vector(t)) : g / (1.0f + expf(t)), bf16);
         store(out, i, silu * load(x, d + i, bf16), bf16);
         far |= g < FAR_NEGATIVE;
     }
