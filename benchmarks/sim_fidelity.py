@@ -67,18 +67,20 @@ def replayed(result: dict) -> list:
 def conversations(result: dict, users: int, turns: int, output_len: int, cached: list[int] | None = None) -> list:
     """Conversations whose first prompt and growth per turn are the real run's (template tokens included); the
     first prompt is taken as shared, as sim_fidelity's runs have no per-user history (--user-history-len). With
-    ``cached`` (each real request's cached prompt tokens), each later turn's history comes back as it did to the
-    real server: as far as its cache found it, the rest re-rendered (``SimTurn.kept``: an answer generated past
-    its end-of-turn token with ignore_eos does not tokenize back to the ids generated)."""
+    ``cached`` (each real request's cached prompt tokens, in the run's order: user by user, turn by turn), each
+    later turn's history comes back as it did to the real server, user by user: as far as its cache found it, the
+    rest re-rendered (``SimTurn.kept``: an answer generated past its end-of-turn token with ignore_eos does not
+    tokenize back to the ids generated, and where the text tokenizes otherwise differs from answer to answer)."""
     from backends.sim.virtual import conversation_workload
 
     lengths = sorted(result["input_lens"])
     first, last = lengths[0], lengths[-1]
     question = (last - first) // (turns - 1) - output_len  # each turn adds an answer and a question
     kept = None
-    if cached is not None:  # turn k's requests are the k-th shortest group of ``users``
-        by_length = [c for _, c in sorted(zip(result["input_lens"], cached))]
-        kept = [statistics.median_high(by_length[k * users:(k + 1) * users]) for k in range(1, turns)]
+    if cached is not None:  # the load tester numbers user u's turn k u * turns + k
+        if len(cached) != users * turns:
+            raise ValueError(f"{len(cached)} requests answered, not {users} users x {turns} turns")
+        kept = [list(cached[u * turns + 1:(u + 1) * turns]) for u in range(users)]
     return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users, kept=kept)
 
 

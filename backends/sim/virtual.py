@@ -262,20 +262,20 @@ def burst_workload(n: int, input_len: int, output_len: int, arrivals: list[float
 
 def conversation_workload(users: int, turns: int, system_len: int, question_len: int, output_len: int,
                           arrivals: list[float], think_s: float = 0.0, seed: int = 0,
-                          history_len: int = 0, kept: list[int | None] | None = None) -> list[SimRequest]:
+                          history_len: int = 0, kept: list[list[int | None]] | None = None) -> list[SimRequest]:
     """``users`` conversations sharing one system prompt, each ``turns`` turns long, started at ``arrivals``, the
     first question after ``history_len`` tokens of the user's own context (the load tester's
     ``--user-history-len``); every turn after the first is sent ``think_s`` after the previous answer, with the
-    whole history, of which ``kept[k - 1]`` tokens come back as they were in the (k + 1)-th turn (``SimTurn.kept``;
-    default all)."""
+    whole history, of which ``kept[user][k - 1]`` tokens come back as they were in the user's (k + 1)-th turn
+    (``SimTurn.kept``; default all)."""
     rng = random.Random(seed)
     system = _tokens(rng, system_len)
-    kept = kept or [None] * (turns - 1)
+    kept = kept or [[None] * (turns - 1)] * users
     requests = []
     for user, at in zip(range(users), arrivals):
         chain: SimTurn | None = None
         for turn in reversed(range(1, turns)):
-            chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain, kept[turn - 1])
+            chain = SimTurn(_tokens(rng, question_len), output_len, think_s, chain, kept[user][turn - 1])
         first = system + _tokens(rng, history_len + question_len)
         requests.append(SimRequest(at, first, output_len, f"user-{user}", chain))
     return requests

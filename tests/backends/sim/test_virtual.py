@@ -98,7 +98,7 @@ def test_a_history_that_comes_back_re_rendered_is_found_in_cache_only_as_far_as_
     """A served chat sends each answer back as text; where that does not tokenize back to the ids generated, the
     prefix cache misses from there (``kept``); by default the whole history comes back as it was."""
     requests = conversation_workload(users=1, turns=3, system_len=320, question_len=16, output_len=10,
-                                     arrivals=[0.0], kept=[None, 320])
+                                     arrivals=[0.0], kept=[[None, 320]])
     result = h100(1, block_size=16).run(requests)
     turns = sorted(result.records, key=lambda r: r.prompt_tokens)
     assert [r.prompt_tokens for r in turns] == [336, 362, 388]
