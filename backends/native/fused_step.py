@@ -77,6 +77,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def fused_rows(fused: FusedStep | None) -> int | None:
+    """The most rows of a step ``fused`` runs in one C call (0 without it; None: any number): a simulator's
+    profile charges the others the launches of a step run layer by layer."""
+    return 0 if fused is None else fused.max_rows
+
+
 class FusedStep:
     """The decoder stack of one model over one KV cache, ready to run steps in one C call."""
 

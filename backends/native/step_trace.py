@@ -132,6 +132,7 @@ class StepTrace:
 def open_trace(path: str | Path, engine) -> StepTrace:
     """A trace of ``engine``'s steps at ``path``, its header read off the engine (and, on a CPU, the peaks its
     profile's efficiencies are shares of, measured now: about 2 s)."""
+    from backends.native.fused_step import fused_rows
     from backends.sim.fit import measure_cpu_peaks
     from gateway.info import machine_summary
 
@@ -140,7 +141,8 @@ def open_trace(path: str | Path, engine) -> StepTrace:
               "model_config": dataclasses.asdict(engine.model_config),
               "dtype": str(runner.dtype).removeprefix("torch."), "kv_dtype_bytes": runner.kv_dtype.itemsize,
               "block_size": engine.blocks.block_size, "async_scheduling": engine.overlap_steps,
-              "fused_steps": getattr(runner, "fused", None) is not None}
+              "fused_steps": getattr(runner, "fused", None) is not None,
+              "fused_rows": fused_rows(getattr(runner, "fused", None))}
     if runner.device.type == "cpu":
         flops, bandwidth = measure_cpu_peaks(runner.dtype)
         header["peaks"] = {"flops": flops, "bandwidth": bandwidth}

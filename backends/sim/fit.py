@@ -110,7 +110,7 @@ def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarra
         model = StepTimeModel(base.model_copy(update={"compute_efficiency": 1.0, "memory_efficiency": 1.0}), c)
         rows.append((c.linear_flops_per_token * w.tokens + c.lm_head_flops_per_row * w.sampled_rows, c.weight_bytes,
                      c.attention_flops_per_query_key * w.query_keys, c.kv_bytes_per_token * (w.kv_read_tokens + w.tokens),
-                     model.parts(w)[2], 0 if w.decode_only and base.replays_decode else c.layers))
+                     model.parts(w)[2], 0 if base.runs_whole(w.tokens, w.decode_only) else c.layers))
     names = ("linear_flops", "weight_bytes", "attention_flops", "kv_bytes", "allreduce_s", "launched_layers")
     return {name: np.array(column, dtype=float) for name, column in zip(names, zip(*rows))}
 
@@ -281,11 +281,13 @@ def gpu_base_profile(name: str, gpu_name: str) -> StepProfile:
 
 
 def cpu_base_profile(name: str, steps: dict) -> StepProfile:
-    """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype."""
+    """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype, and
+    which steps ran whole (``fused_rows``; a record from before it says only whether decode steps did)."""
+    whole = {"replays_decode": False, "whole_step_tokens": steps["fused_rows"]} if "fused_rows" in steps else \
+        {"replays_decode": steps["fused_steps"]}
     return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
                        bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
-                       step_overhead_s=0.0, per_sequence_s=0.0, replays_decode=steps["fused_steps"],
-                       launches_overlap=False, memory_overlap=0.0, block_size=steps["block_size"], dtype=steps["dtype"],
+                       step_overhead_s=0.0, per_sequence_s=0.0, **whole, launches_overlap=False, memory_overlap=0.0, block_size=steps["block_size"], dtype=steps["dtype"],
                        source=ProfileSource(how="unfitted"))
 
 
@@ -293,6 +295,7 @@ def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = C
     """The native engine's steps on this CPU (``measure_native``) with the peaks they are shares of."""
     from backends.native.config import EngineConfig
     from backends.native.engine import start_engine
+    from backends.native.fused_step import fused_rows
     from gateway.info import machine_summary
 
     engine = start_engine(EngineConfig(model_path=str(model) if model else None))
@@ -303,7 +306,8 @@ def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = C
                 "model": engine.model_path.name, "model_config": dataclasses.asdict(engine.model_config),
                 "dtype": str(engine.runner.dtype).removeprefix("torch."),
                 "kv_dtype_bytes": engine.runner.kv_dtype.itemsize, "block_size": engine.blocks.block_size,
-                "fused_steps": engine.runner.fused is not None, "peaks": {"flops": flops, "bandwidth": bandwidth},
+                "fused_steps": engine.runner.fused is not None, "fused_rows": fused_rows(engine.runner.fused),
+                "peaks": {"flops": flops, "bandwidth": bandwidth},
                 "bursts": bursts, "steps": steps}
     finally:
         engine.close()

@@ -48,7 +48,10 @@ class StepProfile(BaseModel):
     step_overhead_s: float = Field(ge=0)  # fitted: launches, scheduling not hidden behind the device
     per_sequence_s: float = Field(ge=0)  # fitted: host work per sequence in the step
     per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host
-    replays_decode: bool = True  # decode-only steps run whole, with no launches per layer (CUDA graphs, fused C)
+    replays_decode: bool = True  # decode-only steps run whole, with no launches per layer (CUDA graphs)
+    # besides, any step of at most this many tokens runs whole (a CPU's fused C step, up to the rows of its linear
+    # layers' small-step copies); None: every step; 0: none
+    whole_step_tokens: int | None = Field(0, ge=0)
     launches_overlap: bool = True  # the device works while the host launches (GPUs); a CPU does one, then the other
     # the share of the shorter of a part's two times (its FLOPs', its bytes') hidden behind the longer: 1 the
     # roofline (GPUs), 0 their sum; a CPU's cores hide some of a small batch's arithmetic behind its weight reads
@@ -80,6 +83,11 @@ class StepProfile(BaseModel):
             data = dict(data)
             data["memory_overlap"] = 1.0 if data.pop("overlaps_memory") else 0.0
         return data
+
+    def runs_whole(self, tokens: int, decode_only: bool) -> bool:
+        """Whether a step of ``tokens`` (``decode_only``: one a sequence) runs with no launches per layer."""
+        return ((decode_only and self.replays_decode) or self.whole_step_tokens is None
+                or tokens <= self.whole_step_tokens)
 
     def spread_factor(self, u: float) -> float:
         """The measured / modelled ratio at quantile ``u`` (0-1) of the step spread, interpolated; 1 without one."""

@@ -12,8 +12,9 @@ its KV cache after the step (``context_lens``). Its time is
 (a profile's fitted ``memory_overlap`` says how much of the shorter of each max()'s two times hides behind the
 longer: all of it on a GPU, the roofline; on a CPU, whose cores wait for memory and compute partly in turn at a
 step's skinny matrix shapes, less),
-and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a decode-only
-step replayed whole (CUDA graphs on a GPU, the fused C step on a CPU). A GPU runs the launches beside the
+and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a step run whole
+(a decode-only one replayed from CUDA graphs on a GPU; on a CPU, one the fused C step takes: up to the rows of the
+linear layers' small-step copies, prompt tokens or not). A GPU runs the launches beside the
 device's work, so the step takes the longer of the two ((+) is max); a CPU does both itself ((+) is +).
 
 The linear layers read every weight once per step however many tokens share it (decode is bound by bytes,
@@ -100,7 +101,7 @@ class StepTimeModel:
     def seconds_of(self, work: StepWork) -> float:
         p = self.profile
         device = sum(self.parts(work))
-        launches = 0.0 if work.decode_only and p.replays_decode else p.per_layer_launch_s * self.cost.layers
+        launches = 0.0 if p.runs_whole(work.tokens, work.decode_only) else p.per_layer_launch_s * self.cost.layers
         busy = max(device, launches) if p.launches_overlap else device + launches
         return p.step_overhead_s + p.per_sequence_s * work.sequences + busy
 

@@ -13,6 +13,7 @@ from backends.base import SamplingParams
 from backends.native.batch import Batch
 from backends.native.config import EngineConfig
 from backends.native.engine import LLMEngine
+from backends.native.fused_step import fused_rows
 from backends.native.step_trace import StepTrace, load_trace
 from gateway.cli import app
 
@@ -138,6 +139,9 @@ def test_a_profile_is_fitted_on_a_trace(tmp_path, smollm2_tokenizer):
     assert result.exit_code == 0, result.output
     profile = json.loads((tmp_path / "served.json").read_text())
     assert profile["name"] == "served" and profile["source"]["points"] == len(load_trace(path)["steps"])
+    # the steps the engine ran whole in one C call (up to its fused rows, prompt tokens or not) launch no layers
+    assert load_trace(path)["fused_rows"] == fused_rows(engine.runner.fused)
+    assert (profile["replays_decode"], profile["whole_step_tokens"]) == (False, fused_rows(engine.runner.fused))
     assert 0 < profile["compute_efficiency"] <= 1 and 0 < profile["memory_efficiency"] <= 1
 
     # a trace committed gzipped (a GPU's runs to megabytes) is read as the same steps and fits the same profile

@@ -49,6 +49,30 @@ def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, launche
     assert fitted.source.max_abs_error < 1e-3
 
 
+def test_a_cpus_launch_cost_is_fitted_on_the_steps_its_fused_rows_leave_out():
+    """On a CPU whose fused step takes up to 128 rows, prompt tokens or not, only larger steps launch layer by
+    layer: the fit charges those alone and recovers the launch cost, and a record of the steps says which ran
+    whole (one from before ``fused_rows`` says only whether decodes did)."""
+    from backends.sim.fit import cpu_base_profile
+
+    record = {"machine": "a CPU", "peaks": {"flops": 1e12, "bandwidth": 5e10}, "block_size": 64, "dtype": "float32",
+              "fused_steps": True, "fused_rows": 128}
+    base = cpu_base_profile("cpu", record)
+    assert (base.replays_decode, base.whole_step_tokens) == (False, 128)
+    earlier = cpu_base_profile("cpu", {k: v for k, v in record.items() if k != "fused_rows"})
+    assert (earlier.replays_decode, earlier.whole_step_tokens) == (True, 0)
+    truth = base.model_copy(update={"compute_efficiency": 0.5, "memory_efficiency": 0.8, "step_overhead_s": 0.002,
+                                    "per_sequence_s": 1e-5, "per_layer_launch_s": 1e-3})
+    cost = model_cost("smollm2")
+    works = [StepWork.of(q, c, len(q)) for q, c in [([n], [n]) for n in (64, 128, 256, 512)]
+             + [([1] * d + [100], [300] * d + [100]) for d in (1, 8, 28, 29, 60)]
+             + [([1] * n, [c] * n) for n in (1, 16, 128, 129, 256) for c in (256, 1024)]]
+    points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w)) for w in works]
+    fitted = fit_profile(points, base)
+    assert fitted.per_layer_launch_s == pytest.approx(1e-3) and fitted.compute_efficiency == pytest.approx(0.5)
+    assert fitted.source.max_abs_error < 1e-3
+
+
 @pytest.mark.parametrize("overlap", [0.0, 0.3, 1.0])  # their sum, part hidden, the roofline
 def test_with_fit_overlap_the_fit_finds_how_much_flops_and_bytes_overlap(overlap):
     """Steps made with a share of each part's shorter time (its FLOPs' or its bytes') hidden behind the longer are

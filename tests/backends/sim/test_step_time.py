@@ -79,6 +79,22 @@ def test_launches_add_to_a_cpu_step_and_hide_under_a_gpu_step_and_replayed_decod
     assert gpu.seconds([10], [10], 1) == pytest.approx(0.001 + 0.0001 + max(device, 2 * 0.01))
 
 
+def test_a_cpu_steps_within_its_fused_rows_run_whole_prompt_tokens_or_not_and_larger_ones_launch_every_layer():
+    """A CPU's fused C step takes any mix of prompt and decode tokens up to the rows of its small-step copies (128
+    with fp32 strips): a 128-token prompt runs whole, the same prompt beside one decode launches every layer, and
+    so does a decode of more sequences than the rows."""
+    cost = StepCost.of(TINY, 2, 2)
+    fused = StepTimeModel(profile(per_layer_launch_s=0.01, launches_overlap=False, memory_overlap=0.0,
+                                  replays_decode=False, whole_step_tokens=128), cost)
+    unlaunched = StepTimeModel(profile(launches_overlap=False, memory_overlap=0.0), cost)
+    for q, c, launched in [([128], [128], False), ([1, 127], [300, 127], False), ([1, 128], [300, 128], True),
+                           ([1] * 129, [50] * 129, True), ([1] * 128, [50] * 128, False)]:
+        gap = fused.seconds(q, c, len(q)) - unlaunched.seconds(q, c, len(q))
+        assert gap == pytest.approx(2 * 0.01 if launched else 0.0, abs=1e-12), (q, launched)
+    every = StepTimeModel(profile(per_layer_launch_s=0.01, replays_decode=False, whole_step_tokens=None), cost)
+    assert every.seconds([4096], [4096], 1) == StepTimeModel(profile(), cost).seconds([4096], [4096], 1)
+
+
 @pytest.mark.parametrize("overlap", [0.0, 0.25])
 def test_the_unhidden_share_of_a_parts_shorter_time_adds_to_the_longer(overlap):
     """A decode step's linear part on a memory-bound device: the weights' read, plus the share of its FLOPs' time
