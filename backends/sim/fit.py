@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -283,12 +284,15 @@ def gpu_base_profile(name: str, gpu_name: str) -> StepProfile:
 def cpu_base_profile(name: str, steps: dict) -> StepProfile:
     """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype, and
     which steps ran whole (``fused_rows``; a record from before it says only whether decode steps did)."""
-    whole = {"replays_decode": False, "whole_step_tokens": steps["fused_rows"]} if "fused_rows" in steps else \
-        {"replays_decode": steps["fused_steps"]}
+    if "fused_rows" in steps:
+        whole: dict[str, Any] = {"replays_decode": False, "whole_step_tokens": steps["fused_rows"]}
+    else:
+        whole = {"replays_decode": steps["fused_steps"]}
     return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
                        bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
-                       step_overhead_s=0.0, per_sequence_s=0.0, **whole, launches_overlap=False, memory_overlap=0.0, block_size=steps["block_size"], dtype=steps["dtype"],
-                       source=ProfileSource(how="unfitted"))
+                       step_overhead_s=0.0, per_sequence_s=0.0, launches_overlap=False, memory_overlap=0.0,
+                       block_size=steps["block_size"], dtype=steps["dtype"], source=ProfileSource(how="unfitted"),
+                       **whole)
 
 
 def measure_cpu_steps(model: Path | None, bursts: list[tuple[int, int, int]] = CPU_BURSTS) -> dict:

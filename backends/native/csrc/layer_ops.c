@@ -184,8 +184,8 @@ static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x
 }
 
 /* out [rows, d] = silu(x[:, :d]) * x[:, d:] for x [rows, 2d] (gate and up side by side). bf16 rows of whole
- * vectors take vector_math.h's silu, torch's bit for bit (the scalar loop's libmvec expf flipped some bf16
- * roundings) and faster. */
+ * vectors take vector_math.h's silu where AVX-512 BF16 is there, faster; the loop elsewhere rounds as it does
+ * (its exp and its division, above): torch's bit for bit on every bf16 gate either way. */
 int silu_and_mul(const void *x, void *out, int64_t rows, int64_t d, int is_bf16) {
     const int64_t size = is_bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static)
