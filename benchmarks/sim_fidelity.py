@@ -80,7 +80,7 @@ def conversations(result: dict, users: int, turns: int, output_len: int, cached:
     if cached is not None:  # the load tester numbers user u's turn k u * turns + k
         if len(cached) != users * turns:
             raise ValueError(f"{len(cached)} requests answered, not {users} users x {turns} turns")
-        kept = [list(cached[u * turns + 1:(u + 1) * turns]) for u in range(users)]
+        kept = [cached[u * turns + 1:(u + 1) * turns] for u in range(users)]
     return conversation_workload(users, turns, first - question, question, output_len, [0.0] * users, kept=kept)
 
 
