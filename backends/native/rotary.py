@@ -44,6 +44,10 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  device: torch.device | str = "cpu") -> None:
+        if torch.device(device).type == "meta":  # a model's skeleton, built before its memory: shapes only (meta
+            # tensors compute through torch's Python references, whose first use imports its compiler: ~1.5 s)
+            self.cos = self.sin = torch.empty(max_positions, head_dim // 2, device="meta")
+            return
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq).to(device)
         self.cos, self.sin = angles.cos(), angles.sin()

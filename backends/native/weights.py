@@ -142,10 +142,23 @@ def _safetensors(path: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[st
 # ----------------------------------------------------------------------------------------------- GGUF
 @functools.lru_cache(maxsize=4)
 def _gguf_reader(path: Path):
-    """The parsed file (a read-only memory map): parsing takes seconds, so engines of one file share it."""
+    """The parsed file (a read-only memory map): parsing takes a second, so engines of one file share it."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    class PlainViewReader(gguf.GGUFReader):
+        """gguf's reader slicing a plain array view of its memory map: numpy's memmap subclass runs Python code on
+        every slice, and a 49k-token vocabulary is parsed in a million of them (3.1 s of SmolLM2's parse, 0.8 s
+        without). The views still read the mapped file."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)
+
+    return PlainViewReader(str(path))
 
 
 def _gguf_config(reader) -> ModelConfig:
