@@ -151,7 +151,7 @@ def _gguf_reader(path: Path):
         without). The views still read the mapped file."""
 
         @property
-        def data(self) -> np.ndarray:
+        def data(self) -> np.ndarray:  # type: ignore[override]  # a plain array, not the subclass: the point
             return self._plain
 
         @data.setter
