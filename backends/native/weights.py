@@ -150,8 +150,8 @@ def _gguf_reader(path: Path):
         every slice, and a 49k-token vocabulary is parsed in a million of them (3.1 s of SmolLM2's parse, 0.8 s
         without). The views still read the mapped file."""
 
-        @property
-        def data(self) -> np.ndarray:  # type: ignore[override]  # a plain array, not the subclass: the point
+        @property  # type: ignore[override]  # a plain array where gguf declares its memmap subclass: the point
+        def data(self) -> np.ndarray:
             return self._plain
 
         @data.setter
