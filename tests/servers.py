@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,45 +58,71 @@ class Served:
     proc: subprocess.Popen
 
 
-def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] | None = None,
-                    timeout: float = 600.0, verify: ssl.SSLContext | bool = True) -> Served:
-    """``burstgate serve *options`` as a user starts it (``env`` added to this environment), once ``/ready``
-    answers 200 (over HTTPS, checked with ``verify``, when the options serve it). The caller stops it
-    (``proc.terminate()``)."""
+def spawn_burstgate(*options: str, port: int | None = None, env: dict[str, str] | None = None) -> Served:
+    """``burstgate serve *options`` as a user starts it (``env`` added to this environment), not waited for:
+    ``wait_until_ready`` does."""
     port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level",
                              "warning", *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
-    url = f"{'https' if '--ssl-certfile' in options else 'http'}://127.0.0.1:{port}"
+    return Served(f"{'https' if '--ssl-certfile' in options else 'http'}://127.0.0.1:{port}", port, proc)
+
+
+def wait_until_ready(served: Served, timeout: float = 600.0, verify: ssl.SSLContext | bool = True) -> Served:
+    """``served`` once its ``/ready`` answers 200 (over HTTPS, checked with ``verify``, when it serves that);
+    killed if it never does."""
     deadline = time.monotonic() + timeout  # a loaded 2-core machine loads and warms up a model slowly
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"burstgate serve exited with {proc.returncode}: {proc.stderr.read()}")
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"burstgate serve exited with {served.proc.returncode}: {served.proc.stderr.read()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/ready", timeout=2, verify=verify).status_code == 200:
-                return Served(url, port, proc)
+            if httpx.get(f"{served.url}/ready", timeout=2, verify=verify).status_code == 200:
+                return served
         if time.monotonic() > deadline:
-            proc.kill()
+            served.proc.kill()
             raise RuntimeError("burstgate serve did not become ready")
         time.sleep(0.3)
 
 
-def start_replica_with_kv_events(folder: Path, events_port: int, port: int | None = None) -> Served:
-    """``burstgate serve`` of one native engine (one thread, model "m", 16-token blocks) publishing its KV events on
-    ``events_port``: a replica of a fleet as ops run it."""
+def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] | None = None,
+                    timeout: float = 600.0, verify: ssl.SSLContext | bool = True) -> Served:
+    """``spawn_burstgate`` once ready (``wait_until_ready``). The caller stops it (``proc.terminate()``)."""
+    return wait_until_ready(spawn_burstgate(*options, port=port, env=env), timeout, verify)
+
+
+def start_burstgates(*option_lists: Sequence[str], ports: Sequence[int | None] = (),
+                     env: dict[str, str] | None = None) -> list[Served]:
+    """A fleet of ``burstgate serve``, one per list of options (on ``ports``, else free ones), started together (a
+    start is mostly one core's imports and model loading: two take the time of one on two cores) and returned once
+    all are ready; none is left running if one fails. The caller stops them."""
+    ports = list(ports) or [None] * len(option_lists)
+    spawned = [spawn_burstgate(*options, port=port, env=env) for options, port in zip(option_lists, ports)]
+    try:
+        return [wait_until_ready(served) for served in spawned]
+    except BaseException:
+        for served in spawned:
+            served.proc.kill()
+            served.proc.wait()
+        raise
+
+
+def replica_with_kv_events(folder: Path, events_port: int) -> list[str]:
+    """The options of ``burstgate serve`` for one native engine (one thread, model "m", 16-token blocks) publishing
+    its KV events on ``events_port``: a replica of a fleet as ops run it."""
     config = folder / f"replica-{events_port}.yaml"
     config.write_text(yaml.safe_dump({"models": [{"name": "m", "deployments": [{
         "kind": "native", "dtype": "float32", "num_threads": 1, "max_model_len": 2048, "num_blocks": 256,
         "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512,
         "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}"}}]}]}))
-    return start_burstgate("--config", str(config), port=port)
+    return ["--config", str(config)]
 
 
 @contextlib.contextmanager
 def replicas_with_kv_events(folder: Path, count: int = 2) -> Iterator[list[tuple[Served, int]]]:
-    """``count`` replicas of ``start_replica_with_kv_events``, each with its events port; those still running (the
+    """``count`` replicas of ``replica_with_kv_events``, each with its events port; those still running (the
     list's entries at the end: a test may restart one in its place) are stopped afterwards."""
-    started = [(start_replica_with_kv_events(folder, port), port) for port in [free_port() for _ in range(count)]]
+    ports = [free_port() for _ in range(count)]
+    started = list(zip(start_burstgates(*(replica_with_kv_events(folder, port) for port in ports)), ports))
     try:
         yield started
     finally:

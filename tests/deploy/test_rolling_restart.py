@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.gateway.test_drain import SIMULATED, completed, drain_env, stream
-from tests.servers import free_port, start_burstgate, wait_for_port
+from tests.servers import free_port, start_burstgate, start_burstgates, wait_for_port
 
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
 
@@ -59,7 +59,7 @@ def wait_until_in_rotation(stats: Path, server: str, timeout_s: float = 30.0) ->
 
 def test_a_rolling_restart_of_two_gateways_behind_a_load_balancer_loses_no_request_and_cuts_no_stream(tmp_path):
     env = drain_env(grace_s=1.5, timeout_s=120)
-    replicas = [start_burstgate(*SIMULATED, env=env) for _ in range(2)]
+    replicas = start_burstgates(SIMULATED, SIMULATED, env=env)
     listen = free_port()
     config = tmp_path / "haproxy.cfg"
     stats = tmp_path / "haproxy.sock"

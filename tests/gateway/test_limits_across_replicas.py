@@ -19,7 +19,7 @@ import redis
 import redis.asyncio
 import yaml
 
-from tests.servers import free_port, spawn_mock_server, start_burstgate, wait_for_port
+from tests.servers import free_port, spawn_mock_server, start_burstgates, wait_for_port
 
 WINDOW_S = 3.0
 REQUESTS = 20  # per window, key "req"
@@ -55,7 +55,7 @@ def fleet(folder, redis_port: int, requests: int = REQUESTS, tokens: int = TOKEN
         "limits": {"redis_url": f"redis://127.0.0.1:{redis_port}/0", "window_s": window_s}}))
     gateways = []
     try:
-        gateways = [start_burstgate("--config", str(config)) for _ in range(2)]
+        gateways = start_burstgates(*[["--config", str(config)]] * 2)
         warm_up([g.url for g in gateways])
         yield [g.url for g in gateways]
     finally:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import Gateway
-from tests.servers import Served, replicas_with_kv_events, serve_app, start_replica_with_kv_events
+from tests.servers import Served, replica_with_kv_events, replicas_with_kv_events, serve_app, start_burstgate
 
 
 def _system(job: str) -> dict:
@@ -129,7 +129,8 @@ def test_a_replica_killed_mid_run_fails_only_what_it_was_answering_and_is_routed
         noticed = time.monotonic()
         time.sleep(3)  # traffic on the one replica left
         assert any(t > noticed for t in done)
-        replicas[1] = (start_replica_with_kv_events(tmp_path, events_port, port=victim.port), events_port)  # back, with an empty cache
+        replicas[1] = (start_burstgate(*replica_with_kv_events(tmp_path, events_port), port=victim.port),
+                       events_port)  # back, with an empty cache
         deadline = time.monotonic() + 60
         while not (dead.healthy and group.policy.index.size(dead.name)):  # healthy, and taking conversations again
             assert time.monotonic() < deadline, "the replica is not routed to once back"

@@ -19,24 +19,28 @@ from openai import OpenAI
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_NAME, Settings
 from gateway.service import Gateway
-from tests.servers import Served, free_port, serve_app, start_burstgate
+from tests.servers import free_port, serve_app, start_burstgate, start_burstgates
 
 SYSTEM = {"role": "system", "content": "You are a patient guide to the sea and its creatures. " * 6}
 
 
-def start_replica(tmp_path, port: int, kv_port: int) -> Served:
+DRAIN = {"BURSTGATE_SERVER__DRAIN_TIMEOUT_S": "60"}
+
+
+def replica_options(tmp_path, port: int, kv_port: int) -> list[str]:
+    """The options of a simulated replica publishing its KV events on ``kv_port``."""
     config = tmp_path / f"replica-{port}.yaml"
     config.write_text(yaml.safe_dump({"models": [{"name": DEFAULT_MODEL_NAME, "deployments": [{
         "kind": "native", "block_size": 16, "max_model_len": 2048,
         "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{kv_port}"}}]}]}))
-    return start_burstgate("--config", str(config), "--simulate", "cpu-epyc-2c", port=port,
-                           env={"BURSTGATE_SERVER__DRAIN_TIMEOUT_S": "60"})
+    return ["--config", str(config), "--simulate", "cpu-epyc-2c"]
 
 
 @pytest.fixture
 def replicas(tmp_path):
     ports = [(free_port(), free_port()) for _ in range(2)]
-    running = [start_replica(tmp_path, port, kv_port) for port, kv_port in ports]
+    running = start_burstgates(*(replica_options(tmp_path, port, kv_port) for port, kv_port in ports),
+                               ports=[port for port, _ in ports], env=DRAIN)
     yield running, ports
     for replica in running:
         replica.proc.terminate()
@@ -96,7 +100,7 @@ def test_replicas_restarted_in_turn_lose_no_request_and_their_index_starts_again
                 while d.healthy:
                     time.sleep(0.1)
                 assert group.policy.index_blocks(d) == 0  # its cache went with its process
-                running[i] = start_replica(tmp_path, port, kv_port)
+                running[i] = start_burstgate(*replica_options(tmp_path, port, kv_port), port=port, env=DRAIN)
                 while not d.healthy:
                     time.sleep(0.1)
                 other = group.deployments[1 - i].name
