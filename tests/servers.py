@@ -22,9 +22,17 @@ import yaml
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` ports free now, all different (held together while chosen: one at a time, the OS may hand the
+    same one out twice before any server binds it)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @contextlib.contextmanager
@@ -90,12 +98,12 @@ def start_burstgate(*options: str, port: int | None = None, env: dict[str, str] 
     return wait_until_ready(spawn_burstgate(*options, port=port, env=env), timeout, verify)
 
 
-def start_burstgates(*option_lists: Sequence[str], ports: Sequence[int | None] = (),
+def start_burstgates(*option_lists: Sequence[str], ports: Sequence[int] = (),
                      env: dict[str, str] | None = None) -> list[Served]:
     """A fleet of ``burstgate serve``, one per list of options (on ``ports``, else free ones), started together (a
     start is mostly one core's imports and model loading: two take the time of one on two cores) and returned once
     all are ready; none is left running if one fails. The caller stops them."""
-    ports = list(ports) or [None] * len(option_lists)
+    ports = list(ports) or free_ports(len(option_lists))
     spawned = [spawn_burstgate(*options, port=port, env=env) for options, port in zip(option_lists, ports)]
     try:
         return [wait_until_ready(served) for served in spawned]
@@ -121,7 +129,7 @@ def replica_with_kv_events(folder: Path, events_port: int) -> list[str]:
 def replicas_with_kv_events(folder: Path, count: int = 2) -> Iterator[list[tuple[Served, int]]]:
     """``count`` replicas of ``replica_with_kv_events``, each with its events port; those still running (the
     list's entries at the end: a test may restart one in its place) are stopped afterwards."""
-    ports = [free_port() for _ in range(count)]
+    ports = free_ports(count)
     started = list(zip(start_burstgates(*(replica_with_kv_events(folder, port) for port in ports)), ports))
     try:
         yield started

@@ -19,7 +19,7 @@ from openai import OpenAI
 from gateway.app import create_app
 from gateway.config import DEFAULT_MODEL_NAME, Settings
 from gateway.service import Gateway
-from tests.servers import free_port, serve_app, start_burstgate, start_burstgates
+from tests.servers import free_ports, serve_app, start_burstgate, start_burstgates
 
 SYSTEM = {"role": "system", "content": "You are a patient guide to the sea and its creatures. " * 6}
 
@@ -38,7 +38,8 @@ def replica_options(tmp_path, port: int, kv_port: int) -> list[str]:
 
 @pytest.fixture
 def replicas(tmp_path):
-    ports = [(free_port(), free_port()) for _ in range(2)]
+    free = free_ports(4)
+    ports = list(zip(free[::2], free[1::2]))  # (HTTP, KV events) of each replica
     running = start_burstgates(*(replica_options(tmp_path, port, kv_port) for port, kv_port in ports),
                                ports=[port for port, _ in ports], env=DRAIN)
     yield running, ports
