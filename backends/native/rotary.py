@@ -44,8 +44,9 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  device: torch.device | str = "cpu") -> None:
-        if torch.device(device).type == "meta":  # a model's skeleton, built before its memory: shapes only (meta
-            # tensors compute through torch's Python references, whose first use imports its compiler: ~1.5 s)
+        if torch.device(device).type == "meta":
+            # A model's skeleton, built before its memory: shapes only. Computing on meta goes through torch's
+            # Python references, whose first use imports its compiler (docs/performance.md, "Start-up").
             self.cos = self.sin = torch.empty(max_positions, head_dim // 2, device="meta")
             return
         inv_freq = inverse_frequencies(head_dim, theta, scaling)

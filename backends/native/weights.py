@@ -147,8 +147,8 @@ def _gguf_reader(path: Path):
 
     class PlainViewReader(gguf.GGUFReader):
         """gguf's reader slicing a plain array view of its memory map: numpy's memmap subclass runs Python code on
-        every slice, and a 49k-token vocabulary is parsed in a million of them (3.1 s of SmolLM2's parse, 0.8 s
-        without). The views still read the mapped file."""
+        every slice, and a vocabulary is parsed in a million of them (docs/performance.md, "Start-up"). The views
+        still read the mapped file."""
 
         @property  # type: ignore[override]  # a plain array where gguf declares its memmap subclass: the point
         def data(self) -> np.ndarray:
