@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import ROOT, export_hf_dir, free_port, run_record, start_vllm
+from peers import ROOT, export_hf_dir, free_port, run_record, start_vllm, wait_ready
 
 MODEL = "smollm2"
 POLL_S = 0.02
@@ -42,17 +41,7 @@ def timed_start(spawn, port: int, timeout_s: float = 600.0) -> dict:
     started = time.perf_counter()
     proc = spawn(port)
     try:
-        deadline = started + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode} before answering")
-            if listening(port):  # before, an HTTP client's attempts would take a share of the 2 cores
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                        break
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-            time.sleep(POLL_S)
+        wait_ready(url, timeout_s, proc, poll_s=POLL_S)
         ready = time.perf_counter() - started
         body = {"model": MODEL, "prompt": "The sea is", "max_tokens": 1, "temperature": 0}
         httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
@@ -60,12 +49,6 @@ def timed_start(spawn, port: int, timeout_s: float = 600.0) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-
-
-def listening(port: int) -> bool:
-    """Whether something accepts connections on ``port`` (a few microseconds of CPU to ask)."""
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def burstgate_spawner(checkout: Path):
