@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -166,6 +167,13 @@ def serving(cmd: list[str], port: int, env: dict | None = None, timeout_s: float
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (rounds, requests), refused by name otherwise."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
+    return int(text)
 
 
 def run_record(**machine: str) -> dict:

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import loadtest, loadtest_result, run_record
+from peers import loadtest, loadtest_result, positive_int, run_record
 from served_burst import MODEL, serve_model
 
 WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
@@ -229,12 +229,6 @@ def _ratios(row: dict) -> str:
     return json.dumps({kind: {m: round(v["ratio"], 3) for m, v in metrics.items()} for kind, metrics in row.items()})
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
-    return int(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="append", required=True,
@@ -250,7 +244,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
     ap.add_argument("--requests", type=int, default=300, help="its requests")
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
-    ap.add_argument("--rounds", type=_positive, default=3, help="real runs of each fidelity workload (medians compared)")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="real runs of each fidelity workload (medians compared)")
     ap.add_argument("--runs", type=Path, metavar="DIR", help="keep the real runs in this folder (default: a new "
                                                              "temporary one, printed)")
     ap.add_argument("--replay", type=Path, metavar="DIR", help="simulate against the real runs a folder of --runs "

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import ROOT, export_hf_dir, free_port, run_record, start_vllm, wait_ready
+from peers import ROOT, export_hf_dir, free_port, positive_int, run_record, start_vllm, wait_ready
 
 MODEL = "smollm2"
 POLL_S = 0.02
@@ -70,7 +70,10 @@ def worktree(rev: str):
     """A detached checkout of ``rev`` of this repository, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix="burstgate-baseline-") as scratch:
         path = Path(scratch) / "checkout"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), rev], check=True)
+        added = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), rev],
+                               capture_output=True, text=True)
+        if added.returncode != 0:
+            raise SystemExit(f"--baseline {rev}: {added.stderr.strip()}")
         try:
             yield path
         finally:
@@ -79,7 +82,7 @@ def worktree(rev: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--vllm", action="store_true", help="vLLM's CPU build too (make peers)")
     ap.add_argument("--baseline", metavar="REV", help="burstgate serve at this commit too")
     ap.add_argument("--save", type=Path)
