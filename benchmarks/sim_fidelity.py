@@ -4,9 +4,12 @@
    ``burstgate loadtest run`` on each workload (a mixed burst, the paper's burst scaled down, a Poisson run,
    multi-turn conversations), against a simulated replica with this machine's CPU profile on the same requests
    (the real run's prompt and output lengths and send times, replayed on the virtual clock; conversations chained
-   on simulated answers with the real run's prompt growth per turn). The profile was fitted on other steps (the
-   bursts of ``burstgate sim fit --native``), so these workloads are held out. Goal: output tok/s, TTFT p50 and
-   p99, TPOT p50 within 15%.
+   on simulated answers with the real run's prompt growth per turn). The profile was fitted on other steps, so
+   these workloads are held out: with ``--fit-trace`` and ``--fit-profile``, on the steps of served_steps.py's
+   workloads served by the same server in the same run, a share of them before each round of these (this host's
+   speed drifts by 10-20% within half an hour: a profile fitted before a check is not the machine it checks).
+   Round by round, every workload runs its share of its rounds. Goal: output tok/s, TTFT p50 and p99, TPOT p50
+   within 15%.
    Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:
    calibrated once on a lone, unloaded simulated replica served here, ``frontend_s``) and with an ideal one.
    With ``--gpu FILE`` (a result of ``gpu_check.py``'s loadtest part, e.g. benchmarks/results/gpu_loadtest_h200.json),
@@ -20,6 +23,8 @@
 
     python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-epyc-2c.json \\
         --save benchmarks/results/sim_fidelity.json
+    python benchmarks/sim_fidelity.py --fit-trace steps.jsonl --fit-profile cpu.json --skip agreement \\
+        --save fidelity.json    # fitted and checked in one run, interleaved
     python benchmarks/sim_fidelity.py --profile backends/sim/profiles/cpu-zen4-2c.json \\
         --profile backends/sim/profiles/cpu-zen4-2c-served.json --skip agreement    # two profiles, the same runs
     python benchmarks/sim_fidelity.py --profile new.json --skip agreement --replay /tmp/sim-fidelity-xxxx \
@@ -32,13 +37,15 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
-from peers import loadtest, loadtest_result, positive_int, run_record
+from peers import burstgate, loadtest, loadtest_result, positive_int, run_record
 from served_burst import MODEL, serve_model
+from served_steps import WORKLOADS as FIT_WORKLOADS
 
 WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
     "mixed": ["--requests", "64", "--input-len", "32:512", "--output-len", "16:256"],
@@ -47,6 +54,11 @@ WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
     "multi_turn": ["--endpoint", "chat", "--users", "8", "--turns", "4", "--system-prompt-len", "256", "--question-len", "32",
                    "--output-len", "32"],
 }
+# Real runs per --rounds. A multi-turn run's TTFT p50 has one value per turn, not per request: the users a turn's
+# first step leaves waiting share their next step's end. Four turns give four values, and on a 2-core host nine runs
+# in one session read 803-1,208 ms (docs/performance.md): three times the rounds, 36 values.
+ROUNDS_FACTOR = {"multi_turn": 3}
+FIT_SEED = 1000  # the fit's prompts: none of the check's (seeds 0, 1, ...), whose prefixes the cache would keep
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 DESIGN = "configs/llama-12.3b-gqa.json"
 ROUTING = "least_outstanding"  # served and simulated fleets alike
@@ -140,32 +152,90 @@ def calibrate_frontend(out: Path, replay: bool = False) -> float:
 
 
 def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: Path, rounds: int = 1,
-             replay: bool = False, sim_seed: int = 0) -> dict[str, dict]:
+             replay: bool = False, sim_seed: int = 0, fit: tuple[Path, Path] | None = None) -> dict[str, dict]:
     """Per profile, per workload: simulated against real, the same requests (the real runs shared by every
-    profile). With ``rounds``, each workload runs that many times on fresh prompts (seeds 0, 1, ...) and each
-    figure is the median real against the median of the rounds' simulated twins: a real run on two shared cores
-    moves by 10-30% from one round to the next, the simulator only by its draws from a profile's step spread
-    (seeded by the round, plus ``sim_seed``). With ``replay``, the real runs are the ones ``out`` keeps."""
+    profile). With ``rounds``, each workload runs that many times (``workload_rounds``) on fresh prompts (seeds 0,
+    1, ...) and each figure is the median real against the median of the rounds' simulated twins: a real run on two
+    shared cores moves by 10-30% from one round to the next, the simulator only by its draws from a profile's step
+    spread (seeded by the round, plus ``sim_seed``). With ``replay``, the real runs are the ones ``out`` keeps. With
+    ``fit`` (a trace file and a profile file), this machine's profile is fitted on steps served among the real runs
+    (``real_runs``) and compared first."""
+    runs = real_runs(workloads, out, rounds, replay, fit[0] if fit else None)
+    if fit is not None:
+        fit_profile(*fit)
+        profiles = [str(fit[1]), *profiles]
     rows: dict[str, dict] = {profile: {} for profile in profiles}
-    with contextlib.ExitStack() as stack:
-        url = None if replay else serve_model(stack, [{"kind": "native", "name": "native"}], ROUTING)
-        for name in workloads:
-            pairs: dict[str, dict[str, list]] = {p: {"with_frontend": [], "ideal_frontend": []} for p in profiles}
-            for seed in range(rounds):
-                run = out / f"{name}-{seed}"
-                result = (stored(run) if url is None else
-                          loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log")))
-                requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
-                            if name == "multi_turn" else replayed(result))
-                drawn = seed + sim_seed
-                for profile in profiles:
-                    engine = {"simulate": {"profile": profile}}
-                    pairs[profile]["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=drawn)))
-                    pairs[profile]["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
-            for profile in profiles:
-                rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs[profile].items()}
-                print(name, profile, _ratios(rows[profile][name]), flush=True)
+    for name, named_runs in runs.items():
+        for profile in profiles:
+            pairs: dict[str, list] = {"with_frontend": [], "ideal_frontend": []}
+            for seed, (result, requests) in enumerate(named_runs):
+                engine, drawn = {"simulate": {"profile": profile}}, seed + sim_seed
+                pairs["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=drawn)))
+                pairs["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
+            rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs.items()}
+            print(name, profile, _ratios(rows[profile][name]), flush=True)
     return rows
+
+
+def real_runs(workloads: list[str], out: Path, rounds: int, replay: bool = False,
+              fit_trace: Path | None = None) -> dict[str, list[tuple[dict, list]]]:
+    """Each workload's real runs in seed order, as (the load tester's result, the requests the simulator replays).
+    Round by round, each workload runs its share of its rounds (``ROUNDS_FACTOR``): a host whose speed drifts over
+    the session moves every workload alike. With ``fit_trace``, the server traces its steps and each round first
+    serves a share of the fit's workloads (served_steps.py's, other shapes and seeds): their steps alone go to
+    ``fit_trace``, so the profile is fitted in the same minutes it is checked in. With ``replay``, the runs ``out``
+    keeps."""
+    server_trace = out / "steps.jsonl"
+    fit_steps: list[str] = []
+    runs: dict[str, list] = {name: [] for name in workloads}
+    with contextlib.ExitStack() as stack:
+        url = None
+        if not replay:
+            traced = {"step_trace": str(server_trace)} if fit_trace else {}
+            url = serve_model(stack, [{"kind": "native", "name": "native", **traced}], ROUTING)
+        for r in range(rounds):
+            if fit_trace is not None:
+                for name in list(FIT_WORKLOADS)[r::rounds]:
+                    before = len(trace_lines(server_trace))
+                    run = out / f"fit-{name}"
+                    loadtest(f"{url}#{MODEL}", run, *FIT_WORKLOADS[name], "--seed", str(FIT_SEED), "--warmup", "1",
+                             log=run.with_suffix(".log"))
+                    fit_steps += trace_lines(server_trace)[before:]  # flushed: the engine idled at the run's end
+            for name in workloads:
+                factor, last = ROUNDS_FACTOR.get(name, 1), workload_rounds(name, rounds, out if replay else None)
+                for seed in range(r * factor, min((r + 1) * factor, last)):
+                    run = out / f"{name}-{seed}"
+                    result = (stored(run) if url is None else
+                              loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed),
+                                       log=run.with_suffix(".log")))
+                    requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
+                                if name == "multi_turn" else replayed(result))
+                    runs[name].append((result, requests))
+    if fit_trace is not None:  # the server closed its trace as it stopped
+        fit_trace.write_text("".join([trace_lines(server_trace)[0], *fit_steps]))
+        print(f"{len(fit_steps)} steps to fit -> {fit_trace}", flush=True)
+    return runs
+
+
+def trace_lines(path: Path) -> list[str]:
+    """A step trace's lines so far, its header first (none before the server wrote it)."""
+    return path.read_text().splitlines(keepends=True) if path.exists() else []
+
+
+def fit_profile(trace: Path, profile: Path) -> None:
+    """``burstgate sim fit`` on ``trace``, as this machine's fits on served steps are made, to ``profile``."""
+    subprocess.run(burstgate("sim", "fit", "--from", str(trace), "--fit-overlap", "--name", profile.stem,
+                             "--out", str(profile)), check=True)
+
+
+def workload_rounds(name: str, rounds: int, stored_in: Path | None = None) -> int:
+    """Real runs of workload ``name`` for ``rounds`` (``ROUNDS_FACTOR``); replaying ``stored_in``, as many of
+    those as it keeps (a folder kept before the factor has ``rounds``)."""
+    wanted = rounds * ROUNDS_FACTOR.get(name, 1)
+    if stored_in is None:
+        return wanted
+    kept = next((seed for seed in range(wanted) if not (stored_in / f"{name}-{seed}").is_dir()), wanted)
+    return kept or wanted  # none kept: stored() says so by name
 
 
 def compare_rounds(pairs: list[tuple[dict, dict]]) -> dict:
@@ -231,9 +301,15 @@ def _ratios(row: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", action="append", required=True,
+    ap.add_argument("--profile", action="append", default=[],
                     help="this machine's CPU profile (burstgate sim fit); repeat to compare several on the same real "
-                         "runs (the first is the file's `fidelity`); with --gpu, that GPU's (e.g. h200)")
+                         "runs (the first is the file's `fidelity`, after a --fit-profile); with --gpu, that GPU's "
+                         "(e.g. h200)")
+    ap.add_argument("--fit-trace", type=Path, metavar="FILE", help="fit this machine's profile in the same run: each "
+                    "round first serves a share of served_steps.py's workloads, whose steps go to FILE (with "
+                    "--fit-profile)")
+    ap.add_argument("--fit-profile", type=Path, metavar="FILE", help="the profile fitted on --fit-trace's steps "
+                    "(burstgate sim fit --fit-overlap), compared first")
     ap.add_argument("--gpu", type=Path, metavar="FILE", help="compare with this GPU loadtest result instead (no server "
                                                              "is started here): a gpu_loadtest_*.json, or the "
                                                              "gpu_check.json of a run with the loadtest part")
@@ -244,7 +320,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=20.0, help="its arrival rate (req/s)")
     ap.add_argument("--requests", type=int, default=300, help="its requests")
     ap.add_argument("--skip", action="append", default=[], choices=["fidelity", "agreement"])
-    ap.add_argument("--rounds", type=positive_int, default=3, help="real runs of each fidelity workload (medians compared)")
+    ap.add_argument("--rounds", type=positive_int, default=3,
+                    help="real runs of each fidelity workload, times its ROUNDS_FACTOR (medians compared)")
     ap.add_argument("--runs", type=Path, metavar="DIR", help="keep the real runs in this folder (default: a new "
                                                              "temporary one, printed)")
     ap.add_argument("--replay", type=Path, metavar="DIR", help="simulate against the real runs a folder of --runs "
@@ -254,6 +331,10 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     record = run_record()
+    if (args.fit_trace is None) != (args.fit_profile is None):
+        ap.error("--fit-trace and --fit-profile go together: the steps fitted on, and the profile fitted")
+    if not args.profile and (args.gpu or args.fit_profile is None):
+        ap.error("a profile to compare: --profile" + ("" if args.gpu else ", or --fit-trace and --fit-profile"))
     if args.gpu:
         record["gpu"] = {"real": str(args.gpu), "profile": args.profile[0],
                          "fidelity": gpu_fidelity(args.gpu, args.profile[0], args.gpu_served)}
@@ -262,6 +343,10 @@ def main() -> None:
         return
     if args.replay and args.runs:
         ap.error("--replay reads the runs a folder keeps; --runs keeps new ones")
+    if args.replay and args.fit_trace:
+        ap.error("--replay simulates stored runs; fit on a run's trace with burstgate sim fit --from, then --profile")
+    if args.fit_trace and "fidelity" in args.skip:
+        ap.error("--fit-trace serves its steps among the fidelity runs: drop --skip fidelity")
     if args.replay and "agreement" not in args.skip:
         ap.error("--replay replays the fidelity runs only: add --skip agreement")
     replay = args.replay is not None
@@ -273,10 +358,12 @@ def main() -> None:
     record["frontend_s"] = frontend_s = calibrate_frontend(out, replay)
     print(f"front end: {frontend_s * 1e3:.1f} ms", flush=True)
     if "fidelity" not in args.skip:
+        fit = (args.fit_trace, args.fit_profile) if args.fit_trace else None
         by_profile = fidelity(args.profile, args.workload or list(WORKLOADS), frontend_s, out, args.rounds, replay,
-                              args.sim_seed)
-        record["profile"], record["fidelity"] = args.profile[0], by_profile[args.profile[0]]
-        if len(args.profile) > 1:
+                              args.sim_seed, fit)
+        record["profile"] = first = next(iter(by_profile))
+        record["fidelity"] = by_profile[first]
+        if len(by_profile) > 1:
             record["fidelity_by_profile"] = by_profile
     if "agreement" not in args.skip:
         record["agreement"] = {"replicas": args.replicas, "rate": args.rate, "requests": args.requests,
