@@ -27,6 +27,9 @@ from served_burst import MODEL, serve_deployment
 WORKLOADS = {
     **{f"burst_{n}x{i}_{o}": ["--requests", str(n), "--input-len", str(i), "--output-len", str(o)]
        for n, i, o in [(1, 256, 32), (4, 512, 32), (16, 256, 32), (32, 128, 48), (8, 1024, 16), (64, 64, 32)]},
+    # a burst's later full steps, with no requests arriving beside them: the bursts above have 1-4 steps of 2,048
+    # tokens each, most of them a burst's first, run while the front end takes in the rest of the burst
+    "burst_24x384_32": ["--requests", "24", "--input-len", "384", "--output-len", "32"],
     "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
     "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
                    "64", "--output-len", "24"],
