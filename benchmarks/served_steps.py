@@ -30,6 +30,9 @@ WORKLOADS = {
     # a burst's later full steps, with no requests arriving beside them: the bursts above have 1-4 steps of 2,048
     # tokens each, most of them a burst's first, run while the front end takes in the rest of the burst
     "burst_24x384_32": ["--requests", "24", "--input-len", "384", "--output-len", "32"],
+    # decodes of about ten sequences, between the bursts' 4 and 16, which a fit without them interpolates (8 users'
+    # conversations decode so)
+    "burst_10x320_64": ["--requests", "10", "--input-len", "320", "--output-len", "64"],
     "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
     "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
                    "64", "--output-len", "24"],
