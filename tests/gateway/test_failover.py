@@ -19,7 +19,7 @@ from starlette.routing import Route
 from gateway.app import create_app
 from gateway.config import ModelRoute, OpenAIDeployment, Resilience, Settings
 from gateway.service import Gateway
-from tests.servers import free_port, serve_app, spawn_mock_server, wait_for_port
+from tests.servers import free_port, free_ports, serve_app, spawn_mock_server, wait_for_port
 
 FAST_RECOVERY = Resilience(retries=3, retry_backoff_s=0.01, breaker_failures=3, breaker_cooldown_s=0.5,
                        health_interval_s=0.2, health_timeout_s=1.0)
@@ -52,7 +52,7 @@ def completion(url: str, model: str = "m", **body) -> httpx.Response:
 
 
 def test_a_backend_killed_during_a_burst_loses_no_request_and_returns_after_restart():
-    port_a, port_b = free_port(), free_port()
+    port_a, port_b = free_ports(2)
     a = spawn_mock_server(port_a, ttft_ms=150)
     b = spawn_mock_server(port_b, ttft_ms=150)
     try:

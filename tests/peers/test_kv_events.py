@@ -20,7 +20,7 @@ from backends.native.block_hash import block_hashes
 from benchmarks.fleet_routing import ROUTERS_PYTHON
 from benchmarks.peers import VLLM_PYTHON
 from gateway.routing.prefix_index import PrefixIndex
-from tests.servers import Served, free_port, replicas_with_kv_events
+from tests.servers import Served, free_ports, replicas_with_kv_events
 
 pytestmark = pytest.mark.skipif(os.environ.get("BURSTGATE_PEERS") != "1" or not VLLM_PYTHON.exists(),
                                 reason="peer suite: run `make test-peers`")
@@ -81,7 +81,7 @@ def _samples(url: str, name: str) -> dict[str, float]:
 
 @pytest.mark.skipif(not ROUTERS_PYTHON.exists(), reason="no router venv: run `make peers-routers`")
 def test_vllm_routers_kv_aware_policy_reads_the_native_engines_events(replicas, tmp_path):
-    port, metrics = free_port(), free_port()
+    port, metrics = free_ports(2)
     sources = [arg for served, events in replicas
                for arg in ("--kv-event-source", f"{served.url}=tcp://127.0.0.1:{events}")]
     log = (tmp_path / "vllm-router.log").open("w")

@@ -17,14 +17,14 @@ from gateway.app import create_app
 from gateway.cli import build_settings
 from gateway.config import Settings
 from gateway.service import Gateway
-from tests.servers import free_port, serve_app
+from tests.servers import free_ports, serve_app
 
 DESIGN = "configs/llama-12.3b-gqa.json"
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    ports = [free_port(), free_port()]
+    *ports, http = free_ports(3)  # together: the engines bind their events' ports at the app's start-up
     deployments = [{"kind": "native", "name": f"replica-{i}", "model_path": DESIGN, "simulate": {"profile": "h100"},
                     "max_model_len": 4096, "max_num_seqs": 64,
                     "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"},
@@ -32,7 +32,7 @@ def fleet():
     settings = Settings(models=[{"name": "design", "routing": {"policy": "cache_aware", "block_size": 16},
                                  "deployments": deployments}])
     gateway = Gateway.from_settings(settings)
-    with serve_app(create_app(gateway)) as url:
+    with serve_app(create_app(gateway), port=http) as url:
         yield url, gateway
 
 

@@ -12,12 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import Gateway
-from tests.servers import free_port, serve_app
+from tests.servers import free_ports, serve_app
 
 
 @pytest.fixture(scope="module")
 def fleet():
-    ports = [free_port(), free_port()]
+    *ports, http = free_ports(3)  # together: the engines bind their events' ports at the app's start-up
     deployments = [{"kind": "native", "name": f"replica-{i}", "dtype": "float32", "max_model_len": 1024,
                     "num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512,
                     "kv_events_config": {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"},
@@ -25,7 +25,7 @@ def fleet():
     settings = Settings(models=[{"name": "m", "routing": {"policy": "cache_aware", "load_cost_tokens": 64},
                                  "deployments": deployments}])
     gateway = Gateway.from_settings(settings)
-    with serve_app(create_app(gateway)) as url:
+    with serve_app(create_app(gateway), port=http) as url:
         yield url, gateway
 
 
