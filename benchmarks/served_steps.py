@@ -27,8 +27,9 @@ from served_burst import MODEL, serve_deployment
 WORKLOADS = {
     **{f"burst_{n}x{i}_{o}": ["--requests", str(n), "--input-len", str(i), "--output-len", str(o)]
        for n, i, o in [(1, 256, 32), (4, 512, 32), (16, 256, 32), (32, 128, 48), (8, 1024, 16), (64, 64, 32)]},
-    # a burst's later full steps, with no requests arriving beside them: the bursts above have 1-4 steps of 2,048
-    # tokens each, most of them a burst's first, run while the front end takes in the rest of the burst
+    # full steps of prompts of a few hundred tokens: at equal tokens, many short prompts take longer than a few long
+    # ones (the model's attention term says the opposite), and the bursts above have 6 full steps of short prompts
+    # to 4 of long ones
     "burst_24x384_32": ["--requests", "24", "--input-len", "384", "--output-len", "32"],
     # decodes of about ten sequences, between the bursts' 4 and 16, which a fit without them interpolates (8 users'
     # conversations decode so)
