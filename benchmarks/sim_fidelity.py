@@ -182,39 +182,52 @@ def real_runs(workloads: list[str], out: Path, rounds: int, replay: bool = False
     """Each workload's real runs in seed order, as (the load tester's result, the requests the simulator replays).
     Round by round, each workload runs its share of its rounds (``ROUNDS_FACTOR``): a host whose speed drifts over
     the session moves every workload alike. With ``fit_trace``, the server traces its steps and each round first
-    serves a share of the fit's workloads (served_steps.py's, other shapes and seeds): their steps alone go to
-    ``fit_trace``, so the profile is fitted in the same minutes it is checked in. With ``replay``, the runs ``out``
-    keeps."""
+    serves a share of the fit's workloads (``serve_fit_share``): their steps alone go to ``fit_trace``, so the
+    profile is fitted in the same minutes it is checked in. With ``replay``, the runs ``out`` keeps."""
     server_trace = out / "steps.jsonl"
     fit_steps: list[str] = []
     runs: dict[str, list] = {name: [] for name in workloads}
+    last = {name: workload_rounds(name, rounds, out if replay else None) for name in workloads}
     with contextlib.ExitStack() as stack:
         url = None
         if not replay:
             traced = {"step_trace": str(server_trace)} if fit_trace else {}
             url = serve_model(stack, [{"kind": "native", "name": "native", **traced}], ROUTING)
         for r in range(rounds):
-            if fit_trace is not None:
-                for name in list(FIT_WORKLOADS)[r::rounds]:
-                    before = len(trace_lines(server_trace))
-                    run = out / f"fit-{name}"
-                    loadtest(f"{url}#{MODEL}", run, *FIT_WORKLOADS[name], "--seed", str(FIT_SEED), "--warmup", "1",
-                             log=run.with_suffix(".log"))
-                    fit_steps += trace_lines(server_trace)[before:]  # flushed: the engine idled at the run's end
+            if url is not None and fit_trace is not None:
+                fit_steps += serve_fit_share(url, out, list(FIT_WORKLOADS)[r::rounds], server_trace)
             for name in workloads:
-                factor, last = ROUNDS_FACTOR.get(name, 1), workload_rounds(name, rounds, out if replay else None)
-                for seed in range(r * factor, min((r + 1) * factor, last)):
-                    run = out / f"{name}-{seed}"
-                    result = (stored(run) if url is None else
-                              loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed),
-                                       log=run.with_suffix(".log")))
-                    requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
-                                if name == "multi_turn" else replayed(result))
-                    runs[name].append((result, requests))
+                factor = ROUNDS_FACTOR.get(name, 1)
+                seeds = range(r * factor, min((r + 1) * factor, last[name]))
+                runs[name] += [real_run(url, out, name, seed) for seed in seeds]
     if fit_trace is not None:  # the server closed its trace as it stopped
         fit_trace.write_text("".join([trace_lines(server_trace)[0], *fit_steps]))
         print(f"{len(fit_steps)} steps to fit -> {fit_trace}", flush=True)
     return runs
+
+
+def real_run(url: str | None, out: Path, name: str, seed: int) -> tuple[dict, list]:
+    """One run of workload ``name`` on the server at ``url`` (None: the run ``out`` keeps), and its requests as the
+    simulator replays them."""
+    run = out / f"{name}-{seed}"
+    result = (stored(run) if url is None else
+              loadtest(f"{url}#{MODEL}", run, *WORKLOADS[name], "--seed", str(seed), log=run.with_suffix(".log")))
+    requests = (conversations(result, *conversation_shape(WORKLOADS[name]), cached_tokens(run))
+                if name == "multi_turn" else replayed(result))
+    return result, requests
+
+
+def serve_fit_share(url: str, out: Path, names: list[str], server_trace: Path) -> list[str]:
+    """The fit's workloads ``names`` (served_steps.py's: other shapes, seeds) served at ``url``; the lines they
+    added to the server's trace (flushed by each run's end, where the engine idles)."""
+    steps = []
+    for name in names:
+        before = len(trace_lines(server_trace))
+        run = out / f"fit-{name}"
+        loadtest(f"{url}#{MODEL}", run, *FIT_WORKLOADS[name], "--seed", str(FIT_SEED), "--warmup", "1",
+                 log=run.with_suffix(".log"))
+        steps += trace_lines(server_trace)[before:]
+    return steps
 
 
 def trace_lines(path: Path) -> list[str]:
