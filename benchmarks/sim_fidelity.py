@@ -236,9 +236,12 @@ def trace_lines(path: Path) -> list[str]:
 
 
 def fit_profile(trace: Path, profile: Path) -> None:
-    """``burstgate sim fit`` on ``trace``, as this machine's fits on served steps are made, to ``profile``."""
-    subprocess.run(burstgate("sim", "fit", "--from", str(trace), "--fit-overlap", "--name", profile.stem,
-                             "--out", str(profile)), check=True)
+    """``burstgate sim fit`` on ``trace``, as this machine's fits on served steps are made, to ``profile``: with a
+    compute efficiency of its own for the steps the engine's fused step ran whole, where it has one."""
+    with trace.open() as f:
+        fused = json.loads(f.readline()).get("fused_rows")
+    subprocess.run(burstgate("sim", "fit", "--from", str(trace), "--fit-overlap", *["--fit-whole-steps"] * bool(fused),
+                             "--name", profile.stem, "--out", str(profile)), check=True)
 
 
 def workload_rounds(name: str, rounds: int, stored_in: Path | None = None) -> int:

@@ -7,6 +7,7 @@ into tensors once per step (``AttentionBackend.build``). Sequences with a single
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 
@@ -44,6 +45,21 @@ class Batch:
             out.extend(range(start + n - len(rows), start + n))
             start += n
         return out
+
+    def shared_kv_tokens(self, block_size: int) -> int:
+        """Tokens of the KV blocks several of the step's sequences hold (prefix cache hits), counted past their
+        first holder: attention reads such a block from memory once and from the cache for the others."""
+        # The prefix cache shares a block only with every block before it: sequences that share any block share
+        # their first, and most steps' sequences share none (a pass over first blocks, no table walked)
+        holders: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
+        for table, context in zip(self.block_tables, self.context_lens):
+            holders[table[0]].append((table, context))
+        shared = 0
+        for group in holders.values():
+            if len(group) > 1:
+                read = [table[:-(-context // block_size)] for table, context in group]
+                shared += sum(map(len, read)) - len(set().union(*read))
+        return shared * block_size
 
     @property
     def num_decodes(self) -> int:

@@ -4,8 +4,8 @@ streaming, a step's host work beside the device's), so that ``burstgate sim fit 
 steps the engine really ran.
 
 A trace is JSON lines: a header (the model's shape, dtype, block size, how steps run, this CPU's peaks), then one
-``[query_lens, context_lens, sampled_rows, seconds]`` per step, the same as the steps ``sim fit --native
---save-steps`` writes. A step's seconds are its share of the engine's time line: from the end of the step before
+``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens]`` per step (``Batch.shared_kv_tokens``; a
+trace written before it has the first four), the same as the steps ``sim fit --native --save-steps`` writes. A step's seconds are its share of the engine's time line: from the end of the step before
 it to its own end (its tokens sampled) while the engine has work, the host's bookkeeping between steps included;
 from its own start after the engine idled. Ends are read on the device's clock: on a GPU, events on the stream,
 so that a step launched ahead (async scheduling) ends when the device finishes it, not when the host next looks
@@ -74,6 +74,7 @@ class CudaClock:
 @dataclass
 class _Launched:
     work: list  # [query_lens, context_lens, sampled rows]
+    shared_kv_tokens: int
     begin: Any  # the clock's marks: where its share of the time line begins, and its tokens sampled
     done: Any
 
@@ -90,6 +91,7 @@ class StepTrace:
                                              "--from`", **header}) + "\n")
         self._file.flush()
         self.clock: StepClock = clock or HostClock()
+        self._block_size: int = header["block_size"]
         self._lines: list[str] = []
         self._launched: list[_Launched] = []  # not written yet, in launch order
         self._last_done: Any = None  # the last step's end, while the engine has had work since
@@ -99,14 +101,14 @@ class StepTrace:
         its tokens are sampled; on a GPU, enqueued)."""
         begin = start if self._last_done is None else self._last_done
         self._launched.append(_Launched([list(batch.query_lens), list(batch.context_lens), sum(batch.sample)],
-                                        begin, done))
+                                        batch.shared_kv_tokens(self._block_size), begin, done))
         self._last_done = done
 
     def called(self, in_flight: bool, more: bool) -> None:
         """The end of one call of the engine's ``step()``: ``in_flight`` if the step it launched last is still on
         the device (async scheduling), ``more`` if the engine has work left."""
         finished = self._launched[:-1] if in_flight else self._launched
-        self._lines += [json.dumps([*step.work, self.clock.seconds(step.begin, step.done)]) + "\n"
+        self._lines += [json.dumps([*step.work, self.clock.seconds(step.begin, step.done), step.shared_kv_tokens]) + "\n"
                         for step in finished]
         del self._launched[:len(finished)]
         if not more:

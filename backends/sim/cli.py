@@ -29,7 +29,8 @@ def profiles() -> None:
         fitted = (PROFILES_DIR / f"{name}.json").exists()
         error = f", median error {p.source.median_abs_error:.1%} on {p.source.points} steps" if fitted else ""
         error += _spread_words(p.step_spread, ", ")
-        typer.echo(f"{name:<10} {p.device}: compute {p.compute_efficiency:.0%} of {p.peak_flops / 1e12:,.1f} TFLOP/s, "
+        whole = "" if p.whole_step_compute_efficiency is None else f" ({p.whole_step_compute_efficiency:.0%} run whole)"
+        typer.echo(f"{name:<10} {p.device}: compute {p.compute_efficiency:.0%}{whole} of {p.peak_flops / 1e12:,.1f} TFLOP/s, "
                    f"memory {p.memory_efficiency:.0%} of {p.bandwidth / 1e9:,.0f} GB/s"
                    + (error if fitted else " (derived)"))
 
@@ -63,6 +64,9 @@ def fit(
     fit_overlap: Annotated[bool, typer.Option("--fit-overlap", help="Fit how much of a part's shorter time (its "
                                               "FLOPs' or its bytes') hides behind the longer, in tenths from 0 (they "
                                               "add up) to 1 (the roofline).")] = False,
+    fit_whole_steps: Annotated[bool, typer.Option("--fit-whole-steps", help="Fit a compute efficiency of its own for "
+                                                  "the steps that run whole: a CPU's fused step, whose kernels are "
+                                                  "not those of the steps run layer by layer.")] = False,
     memory_overlap: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="Take that share as "
                                                          "given instead (default: a CPU's 0, a GPU's 1).")] = None,
     spread: Annotated[bool | None, typer.Option("--spread/--no-spread", help="Keep the measured steps' spread "
@@ -122,15 +126,18 @@ def fit(
     how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
                     *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap,
+                    *("--fit-whole-steps",) * fit_whole_steps,
                     *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"]),
                     *([] if spread is None else ["--spread" if spread else "--no-spread"])])
     try:
         profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap,
-                                      spread=one_by_one if spread is None else spread)
+                                      spread=one_by_one if spread is None else spread, fit_whole_steps=fit_whole_steps)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--from") from None
     profile.save(out)
-    typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}, memory {profile.memory_efficiency:.0%}, "
+    whole = profile.whole_step_compute_efficiency
+    typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}"
+               f"{'' if whole is None else f' ({whole:.0%} in steps run whole)'}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
                f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "

@@ -41,51 +41,57 @@ class StepPoint:
 
 def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepProfile | None = None,
                 how: str = "", files: list[str] | None = None, fit_overlap: bool = False,
-                spread: bool = False) -> StepProfile:
+                spread: bool = False, fit_whole_steps: bool = False) -> StepProfile:
     """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
     with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
     prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, how much a
     part's FLOPs and bytes overlap is fitted too (``memory_overlap``, from 0: they add up, to 1: the roofline, in
-    tenths); else ``base`` says. With ``spread`` (points timed one by one), the percentiles of the measured /
-    modelled ratios over their mean are kept as the profile's ``step_spread``."""
+    tenths); else ``base`` says. With ``fit_whole_steps``, the steps ``base`` runs whole get a compute efficiency
+    of their own (``whole_step_compute_efficiency``: a CPU's fused step runs other kernels than its steps run layer
+    by layer). With ``spread`` (points timed one by one), the percentiles of the measured / modelled ratios over
+    their mean are kept as the profile's ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
+    whole = np.array([base.runs_whole(p.work.tokens, p.work.decode_only) for p in points])
+    if fit_whole_steps and (whole.all() or not whole.any()):
+        raise ValueError(f"a compute efficiency of the steps run whole needs steps run whole and steps that are not; "
+                         f"{whole.sum()} of these {len(points)} ran whole")
+    if fit_whole_steps and compute_from:
+        raise ValueError("the compute efficiency is either fitted on these steps (of steps run whole too) or taken "
+                         "from another profile")
     y = np.array([p.seconds for p in points])
     n = np.array([p.work.sequences for p in points], dtype=float)
     f = _features(points, base)
     computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
-    launch_grid = [compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID
-    me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
+    launch_grid = np.array([compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID)
     # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
     # many more of the first; TTFT depends on the second)
     decode = np.array([p.work.decode_only for p in points])
     share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
     w2 = share / y**2
-    # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of them
-    # at once is gigabytes of temporaries
-    cells = len(computes) * len(EFFICIENCY_GRID) * len(points)
-    blocks = np.array_split(computes, min(len(computes), -(-cells // GRID_CELLS_AT_ONCE)))
     weight_sums = (w2.sum(), (w2 * n).sum(), (w2 * n * n).sum())
     best = None
     for overlap in OVERLAP_GRID if fit_overlap else (base.memory_overlap,):
-        for block in blocks:
-            ce = block[:, None, None]
-            device = (_part(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me), overlap)
-                      + _part(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me),
-                              overlap)
-                      + f["allreduce_s"])
-            for launch, sums in _residual_sums(y, device, f["launched_layers"], launch_grid, n, w2,
-                                               base.launches_overlap):
-                overhead, per_seq, error = _costs(sums, weight_sums)
-                error = np.maximum(error, 0)  # expanded sums of squares can round below zero
-                i, j = np.unravel_index(np.argmin(error), error.shape)
-                # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding:
-                # the candidate found first (in the loops' order: the smaller launch cost of a block) stays
-                if best is None or error[i, j] < best[0] - max(1e-9 * best[0], 1e-15):
-                    best = (error[i, j], block[i], EFFICIENCY_GRID[j], overhead[i, j], per_seq[i, j], launch, overlap)
+        if fit_whole_steps:  # each group's sums on its own efficiency's axis: [sum, launch, compute, whole, memory]
+            sums = _grid_sums(y, n, w2, f, ~whole, base, computes, launch_grid, overlap)[:, :, :, None]
+            whole_sums = _grid_sums(y, n, w2, f, whole, base, EFFICIENCY_GRID, launch_grid[:1], overlap)[:, 0, None]
+            wholes = EFFICIENCY_GRID
+        else:
+            sums = _grid_sums(y, n, w2, f, np.ones_like(whole), base, computes, launch_grid, overlap)[:, :, :, None]
+            whole_sums, wholes = np.zeros(1), np.array([np.nan])
+        for k, launch in enumerate(launch_grid):
+            overhead, per_seq, error = _costs(tuple(sums[:, k] + whole_sums), weight_sums)
+            error = np.maximum(error, 0)  # expanded sums of squares can round below zero
+            i, w, j = np.unravel_index(np.argmin(error), error.shape)
+            # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding: the
+            # candidate found first (the smaller launch cost) stays
+            if best is None or error[i, w, j] < best[0] - max(1e-9 * best[0], 1e-15):
+                best = (error[i, w, j], computes[i], wholes[w], EFFICIENCY_GRID[j], overhead[i, w, j], per_seq[i, w, j],
+                        launch, overlap)
     assert best is not None  # the grids are never empty
-    _, c, m, o, s, launch, overlap = best
+    _, c, cw, m, o, s, launch, overlap = best
     fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
+                                     "whole_step_compute_efficiency": None if np.isnan(cw) else float(cw),
                                      "step_overhead_s": float(o), "per_sequence_s": float(s),
                                      "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
     errors = relative_errors(fitted, points)
@@ -97,6 +103,28 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                                   median_abs_error=float(np.median(np.abs(errors))),
                                   max_abs_error=float(np.max(np.abs(errors))))
     return fitted
+
+
+def _grid_sums(y: np.ndarray, n: np.ndarray, w2: np.ndarray, f: dict[str, np.ndarray], chosen: np.ndarray,
+               base: StepProfile, computes: np.ndarray, launch_grid: np.ndarray, overlap: float) -> np.ndarray:
+    """The residual sums (``_residual_sums``) over the ``chosen`` points at every launch cost, compute efficiency and
+    memory efficiency of the grids: an array [sum, launch, compute, memory]."""
+    y, n, w2 = y[chosen], n[chosen], w2[chosen]
+    f = {name: column[chosen] for name, column in f.items()}
+    out = np.zeros((3, len(launch_grid), len(computes), len(EFFICIENCY_GRID)))
+    me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
+    # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of them
+    # at once is gigabytes of temporaries
+    cells = len(computes) * len(EFFICIENCY_GRID) * len(y)
+    for block in np.array_split(np.arange(len(computes)), min(len(computes), max(-(-cells // GRID_CELLS_AT_ONCE), 1))):
+        ce = computes[block][:, None, None]
+        device = (_part(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me), overlap)
+                  + _part(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me), overlap)
+                  + f["allreduce_s"])
+        for k, (_, sums) in enumerate(_residual_sums(y, device, f["launched_layers"], launch_grid, n, w2,
+                                                     base.launches_overlap)):
+            out[:, k, block] = sums
+    return out
 
 
 def _part(flops_s: np.ndarray, bytes_s: np.ndarray, overlap: float) -> np.ndarray:
@@ -206,18 +234,19 @@ def points_from_cuda_engine(paths: list[Path | str]) -> list[StepPoint]:
     return points
 
 
-def measure_native(engine, bursts: list[tuple[int, int, int]]) -> list[tuple[list[int], list[int], int, float]]:
+def measure_native(engine, bursts: list[tuple[int, int, int]]) -> list[tuple[list[int], list[int], int, float, int]]:
     """Every step of each burst (requests, prompt tokens, output tokens) through a warmed-up ``LLMEngine``, as
-    (query_lens, context_lens, sampled rows, seconds of ``engine.step()``): what a served step costs, the host's
-    scheduling and bookkeeping included, since on a CPU they do not overlap the model."""
+    (query_lens, context_lens, sampled rows, seconds of ``engine.step()``, shared KV tokens): what a served step
+    costs, the host's scheduling and bookkeeping included, since on a CPU they do not overlap the model."""
     from backends.base import SamplingParams
 
-    steps: list[tuple[list[int], list[int], int, float]] = []
+    steps: list[tuple[list[int], list[int], int, float, int]] = []
     execute = engine.runner.execute
     batches = []
 
     def recording(batch, *args):  # the batch of the step being timed
-        batches.append((list(batch.query_lens), list(batch.context_lens), sum(batch.sample)))
+        batches.append((list(batch.query_lens), list(batch.context_lens), sum(batch.sample),
+                        batch.shared_kv_tokens(engine.blocks.block_size)))
         return execute(batch, *args)
 
     engine.runner.execute = recording
@@ -233,7 +262,8 @@ def measure_native(engine, bursts: list[tuple[int, int, int]]) -> list[tuple[lis
                 engine.step()
                 seconds = time.perf_counter() - started
                 if batches:
-                    steps.append((*batches[-1], seconds))
+                    query_lens, context_lens, rows, shared = batches[-1]
+                    steps.append((query_lens, context_lens, rows, seconds, shared))
             engine.blocks.reset_prefix_cache()
     finally:
         engine.runner.execute = execute
@@ -323,7 +353,7 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
 
     config = ModelConfig(**steps["model_config"])  # the shape travels with the steps: no checkpoint needed
     cost = StepCost.of(config, torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
-    return [StepPoint(cost, StepWork.of(q, c, rows), seconds) for q, c, rows, seconds in steps["steps"]]
+    return [StepPoint(cost, StepWork.of(q, c, rows, *shared), seconds) for q, c, rows, seconds, *shared in steps["steps"]]
 
 
 def load_steps(path: Path | str) -> dict:

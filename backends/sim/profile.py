@@ -45,6 +45,9 @@ class StepProfile(BaseModel):
     bandwidth: float = Field(gt=0)  # bytes/s (GPUs: datasheet), or measured on a CPU
     compute_efficiency: float = Field(gt=0, le=1)  # of peak_flops, fitted
     memory_efficiency: float = Field(gt=0, le=1)  # of bandwidth, fitted
+    # of peak_flops in the steps that run whole where they run kernels of their own (a CPU's fused C step: strips of
+    # weights streamed under a broadcast-FMA loop, not oneDNN's matmul), fitted; None: compute_efficiency
+    whole_step_compute_efficiency: float | None = Field(None, gt=0, le=1)
     step_overhead_s: float = Field(ge=0)  # fitted: launches, scheduling not hidden behind the device
     per_sequence_s: float = Field(ge=0)  # fitted: host work per sequence in the step
     per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host

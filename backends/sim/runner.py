@@ -96,7 +96,8 @@ class SimulatedRunner:
         """The step's modelled seconds in ``last_step_s`` (slept in real time), drawn from the profile's step spread
         where it has one; one filler token per sampled row."""
         rows = sum(batch.sample)
-        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows)
+        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows,
+                                                  batch.shared_kv_tokens(self.block_size))
         if self._draws is not None:
             self.last_step_s *= self.profile.spread_factor(self._draws.random())
         if self.real_time:

@@ -11,7 +11,8 @@ its KV cache after the step (``context_lens``). Its time is
 
 (a profile's fitted ``memory_overlap`` says how much of the shorter of each max()'s two times hides behind the
 longer: all of it on a GPU, the roofline; on a CPU, whose cores wait for memory and compute partly in turn at a
-step's skinny matrix shapes, less),
+step's skinny matrix shapes, less; a step run whole computes at the profile's ``whole_step_compute_efficiency``
+where it has one: a CPU's fused step runs kernels of its own),
 and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a step run whole
 (a decode-only one replayed from CUDA graphs on a GPU; on a CPU, one the fused C step takes: up to the rows of the
 linear layers' small-step copies, prompt tokens or not). A GPU runs the launches beside the
@@ -76,12 +77,15 @@ class StepWork:
     decode_only: bool  # every sequence computes one token: a step the engine can replay whole
 
     @classmethod
-    def of(cls, query_lens: list[int], context_lens: list[int], sampled_rows: int) -> StepWork:
+    def of(cls, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> StepWork:
+        """The work of a step over these sequences, of whose cached tokens ``shared_tokens`` are held by another of
+        them too (``Batch.shared_kv_tokens``): read from memory once."""
         # Query j of a chunk of q new tokens sees the c - q cached tokens and j + 1 of its own: c - (q - 1) / 2
         # keys on average.
         pairs = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
         tokens = sum(query_lens)
-        return cls(len(query_lens), tokens, sampled_rows, pairs, sum(context_lens), tokens == len(query_lens))
+        return cls(len(query_lens), tokens, sampled_rows, pairs, sum(context_lens) - shared_tokens,
+                   tokens == len(query_lens))
 
 
 class StepTimeModel:
@@ -90,13 +94,16 @@ class StepTimeModel:
     def __init__(self, profile: StepProfile, cost: StepCost) -> None:
         self.profile, self.cost = profile, cost
         self._flops_per_s = profile.peak_flops * profile.compute_efficiency
+        self._whole_flops_per_s = profile.peak_flops * (profile.whole_step_compute_efficiency
+                                                        or profile.compute_efficiency)
         self._bytes_per_s = profile.bandwidth * profile.memory_efficiency
 
-    def seconds(self, query_lens: list[int], context_lens: list[int], sampled_rows: int) -> float:
-        """The modelled time of a step over these sequences (``Batch.query_lens`` and ``context_lens``)."""
+    def seconds(self, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> float:
+        """The modelled time of a step over these sequences (``Batch.query_lens`` and ``context_lens``; ``StepWork.of``
+        says what ``shared_tokens`` are)."""
         if not query_lens:
             return 0.0
-        return self.seconds_of(StepWork.of(query_lens, context_lens, sampled_rows))
+        return self.seconds_of(StepWork.of(query_lens, context_lens, sampled_rows, shared_tokens))
 
     def seconds_of(self, work: StepWork) -> float:
         p = self.profile
@@ -108,7 +115,8 @@ class StepTimeModel:
     def parts(self, work: StepWork) -> tuple[float, float, float]:
         """(linear layers, attention, all-reduces) of a step, each at its roofline plus the share of its shorter
         time the profile does not hide (``memory_overlap``)."""
-        c, flops, bw = self.cost, self._flops_per_s, self._bytes_per_s
+        c, bw = self.cost, self._bytes_per_s
+        flops = self._whole_flops_per_s if self.profile.runs_whole(work.tokens, work.decode_only) else self._flops_per_s
         linear = self._part((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
                             c.weight_bytes / bw)
         attention = self._part(c.attention_flops_per_query_key * work.query_keys / flops,

@@ -27,7 +27,7 @@ def _steps(path) -> list[list]:
 
 
 def test_a_step_lasts_from_the_end_of_the_one_before_and_the_first_after_idle_from_its_start(tmp_path):
-    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})  # the host's clock: marks are seconds
+    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m", "block_size": 64})  # the host's clock: marks are seconds
     trace.launched(_batch([5, 7], [5, 7]), start=1.0, done=1.3)
     trace.called(in_flight=False, more=True)
     trace.launched(_batch([1, 1], [6, 8]), start=1.5, done=1.6)  # 0.2 s of host work before it: its share
@@ -35,15 +35,15 @@ def test_a_step_lasts_from_the_end_of_the_one_before_and_the_first_after_idle_fr
     trace.launched(_batch([1], [9]), start=5.0, done=5.05)
     trace.called(in_flight=False, more=False)
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.3)],
-                                            [[1, 1], [6, 8], 2, pytest.approx(0.3)],
-                                            [[1], [9], 1, pytest.approx(0.05)]]
+    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.3), 0],
+                                            [[1, 1], [6, 8], 2, pytest.approx(0.3), 0],
+                                            [[1], [9], 1, pytest.approx(0.05), 0]]
 
 
 def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_clock(tmp_path):
     # async scheduling on a GPU: marks are where the device passed them, whenever the host looked. The second
     # launch blocked the host until both steps were done; each step still gets its own device time.
-    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})
+    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m", "block_size": 64})
     trace.launched(_batch([1, 1], [9, 9]), start=0.0, done=0.008)
     trace.called(in_flight=True, more=True)
     assert _steps(tmp_path / "t.jsonl") == []  # still on the device: not written
@@ -51,16 +51,16 @@ def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_
     trace.called(in_flight=True, more=True)
     trace.called(in_flight=False, more=False)  # finished the second, launched none
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[1, 1], [9, 9], 2, pytest.approx(0.008)],
-                                            [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022)]]
+    assert _steps(tmp_path / "t.jsonl") == [[[1, 1], [9, 9], 2, pytest.approx(0.008), 0],
+                                            [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022), 0]]
 
 
 def test_a_step_still_on_the_device_when_the_trace_closes_is_written(tmp_path):
-    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m"})
+    trace = StepTrace(tmp_path / "t.jsonl", {"model": "m", "block_size": 64})
     trace.launched(_batch([3], [3]), start=0.0, done=0.004)
     trace.called(in_flight=True, more=True)  # the engine closes with it in flight
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004)]]
+    assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004), 0]]
 
 
 class _SteppedClock:
@@ -98,7 +98,7 @@ def test_an_engine_emptied_by_an_abort_idles_and_its_next_step_is_not_charged_th
         engine.close()
     steps = _steps(path)
     assert [q for q, *_ in steps][-2:] == [[20], [1]]  # b's prefill and its decode, traced
-    assert all(seconds < 1000 for *_, seconds in steps)
+    assert all(seconds < 1000 for _, _, _, seconds, _ in steps)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -120,8 +120,33 @@ def test_the_engine_traces_every_step_it_runs(tmp_path, smollm2_tokenizer, async
     steps = trace["steps"]
     # 140 prompt tokens through 64-token chunks, then decodes: every token the engine computed is in the trace
     assert sum(sum(q) for q, *_ in steps) == 140 + 2 * 2
-    assert max(sum(q) for q, *_ in steps) == 64 and all(seconds > 0 for *_, seconds in steps)
-    assert sum(rows for _, _, rows, _ in steps) == 2 * 3  # every sampled token
+    assert max(sum(q) for q, *_ in steps) == 64 and all(seconds > 0 for _, _, _, seconds, _ in steps)
+    assert sum(rows for _, _, rows, _, _ in steps) == 2 * 3  # every sampled token
+    assert all(shared == 0 for *_, shared in steps)  # two prompts with nothing in common
+
+
+def test_a_step_records_the_kv_tokens_its_sequences_share_through_the_prefix_cache(tmp_path, smollm2_tokenizer):
+    """b arrives after a's prompt is cached and shares its first two blocks: every step that runs both records
+    those blocks' tokens as shared (read once), and a's steps alone record none."""
+    path = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, num_blocks=64, step_trace=str(path)),
+                       tokenizer=smollm2_tokenizer)
+    block = engine.blocks.block_size
+    common = [100 + i for i in range(2 * block)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    try:
+        engine.add_request("a", common + [7, 8, 9], params)
+        engine.step()  # a's prompt, whose full blocks enter the prefix cache
+        engine.add_request("b", common + [5, 6], params)
+        while engine.has_unfinished():
+            engine.step()
+        trace = load_trace(path)
+    finally:
+        engine.close()
+    both = [shared for q, _, _, _, shared in trace["steps"] if len(q) == 2]
+    alone = [shared for q, _, _, _, shared in trace["steps"] if len(q) == 1]
+    assert both and all(shared == 2 * block for shared in both)
+    assert alone and all(shared == 0 for shared in alone)
 
 
 def test_a_profile_is_fitted_on_a_trace(tmp_path, smollm2_tokenizer):

@@ -73,6 +73,44 @@ def test_a_cpus_launch_cost_is_fitted_on_the_steps_its_fused_rows_leave_out():
     assert fitted.source.max_abs_error < 1e-3
 
 
+def test_with_fit_whole_steps_the_steps_run_whole_get_a_compute_efficiency_of_their_own(monkeypatch):
+    """A CPU whose fused step computes at 60% of the peak and whose steps launched layer by layer (oneDNN) at 90%:
+    the fit finds both, with the overlap and the per-step costs; one efficiency for both cannot make those steps."""
+    from backends.sim.fit import cpu_base_profile
+
+    monkeypatch.setattr("backends.sim.fit.EFFICIENCY_GRID", np.linspace(0.1, 1.0, 10))  # tenths: a quick grid
+
+    base = cpu_base_profile("cpu", {"machine": "a CPU", "peaks": {"flops": 1e12, "bandwidth": 5e10}, "block_size": 64,
+                                    "dtype": "float32", "fused_steps": True, "fused_rows": 128})
+    truth = base.model_copy(update={"compute_efficiency": 0.9, "whole_step_compute_efficiency": 0.6,
+                                    "memory_efficiency": 0.8, "memory_overlap": 0.5, "step_overhead_s": 0.002,
+                                    "per_sequence_s": 1e-5, "per_layer_launch_s": 1e-3})
+    cost = model_cost("smollm2")
+    works = [StepWork.of(q, c, len(q)) for q, c in [([n], [n]) for n in (64, 128, 256, 512, 2048)]
+             + [([1] * n, [c] * n) for n in (1, 4, 8, 16, 32, 64, 128) for c in (256, 1024)]]
+    points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w)) for w in works]
+    fitted = fit_profile(points, base, fit_overlap=True, fit_whole_steps=True)
+    assert (fitted.compute_efficiency, fitted.whole_step_compute_efficiency) == (pytest.approx(0.9), pytest.approx(0.6))
+    assert (fitted.memory_efficiency, fitted.memory_overlap) == (pytest.approx(0.8), pytest.approx(0.5))
+    assert fitted.per_layer_launch_s == pytest.approx(1e-3) and fitted.source.max_abs_error < 1e-3
+    one = fit_profile(points, base, fit_overlap=True)
+    assert one.whole_step_compute_efficiency is None and one.source.max_abs_error > 0.02
+
+
+def test_a_whole_step_efficiency_needs_steps_run_whole_and_others_and_is_not_taken_from_elsewhere():
+    from backends.sim.fit import cpu_base_profile
+
+    base = cpu_base_profile("cpu", {"machine": "a CPU", "peaks": {"flops": 1e12, "bandwidth": 5e10}, "block_size": 64,
+                                    "dtype": "float32", "fused_steps": True, "fused_rows": 128})
+    cost = model_cost("smollm2")
+    decodes = [StepPoint(cost, StepWork.of([1] * n, [100] * n, n), 0.01 * n) for n in (1, 2, 4)]
+    with pytest.raises(ValueError, match="3 of these 3 ran whole"):
+        fit_profile(decodes, base, fit_whole_steps=True)
+    prompts = decodes + [StepPoint(cost, StepWork.of([512], [512], 1), 0.2)]
+    with pytest.raises(ValueError, match="either fitted"):
+        fit_profile(prompts, base, compute_from=base, fit_whole_steps=True)
+
+
 @pytest.mark.parametrize("overlap", [0.0, 0.3, 1.0])  # their sum, part hidden, the roofline
 def test_with_fit_overlap_the_fit_finds_how_much_flops_and_bytes_overlap(overlap):
     """Steps made with a share of each part's shorter time (its FLOPs' or its bytes') hidden behind the longer are
@@ -197,6 +235,8 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones():
      "either fit the overlap or give it"),
     (["--gpu", "h200", "--from", "benchmarks/results/gpu_check_h200.json", "--memory-overlap", "1.5"],
      "--memory-overlap"),
+    (["--gpu", "h100", "--from", "benchmarks/results/cuda_engine_h100_design.json", "--from",
+      "benchmarks/results/cuda_engine_h100_smollm2.json", "--fit-whole-steps"], "4 of these 4 ran whole"),
 ])
 def test_bad_fits_are_usage_errors(args, message, tmp_path):
     for name in ("garbage.jsonl", "garbage.jsonl.gz"):
@@ -213,5 +253,6 @@ def test_the_native_engine_is_measured_step_by_step(native_engine):
     steps = measure_native(native_engine, [(2, 40, 3)])
     assert steps[0][0] == [40, 40] and steps[0][1] == [40, 40] and steps[0][2] == 2  # both prompts in one step
     assert [s[0] for s in steps[1:]] == [[1, 1]] * 2  # then the two decodes for tokens 2 and 3
-    assert all(seconds > 0 for *_, seconds in steps)
+    assert all(seconds > 0 for _, _, _, seconds, _ in steps)
+    assert all(shared == 0 for *_, shared in steps)  # distinct prompts: no block in common
     assert not native_engine.has_unfinished()

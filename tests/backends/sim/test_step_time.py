@@ -117,3 +117,27 @@ def test_a_profile_saved_with_the_earlier_yes_or_no_overlap_loads_as_that_share(
     fields = profile().model_dump()
     del fields["memory_overlap"]
     assert StepProfile.model_validate({**fields, "overlaps_memory": saved}).memory_overlap == overlap
+
+
+def test_a_step_run_whole_computes_at_the_profiles_whole_step_efficiency_and_a_step_launched_at_the_other():
+    """A CPU's fused step runs kernels of its own: a step within its rows computes at the whole-step efficiency,
+    a larger one at the profile's compute efficiency; without a whole-step efficiency both use the latter."""
+    cost = StepCost.of(TINY, 2, 2)
+    fused = dict(bandwidth=1e15, launches_overlap=False, replays_decode=False, whole_step_tokens=16)
+    plain, own = StepTimeModel(profile(**fused), cost), StepTimeModel(profile(**fused, whole_step_compute_efficiency=0.25), cost)
+    whole, launched = _work(plain, [16], [16]), _work(plain, [17], [17])
+    assert own.parts(whole)[0] == pytest.approx(2 * plain.parts(whole)[0])  # half the efficiency: twice the time
+    assert own.parts(launched) == plain.parts(launched)
+
+
+def test_kv_blocks_several_sequences_share_are_read_once():
+    """Eight decodes whose contexts of 300 start with the same 256 cached tokens read 8 x 44 + 256 tokens of KV
+    cache, not 8 x 300; their attention still computes against every key."""
+    from backends.sim.step_time import StepWork
+
+    alone, shared = StepWork.of([1] * 8, [300] * 8, 8), StepWork.of([1] * 8, [300] * 8, 8, shared_tokens=7 * 256)
+    assert (alone.kv_read_tokens, shared.kv_read_tokens) == (8 * 300, 8 * 44 + 256)
+    assert shared.query_keys == alone.query_keys
+    model = StepTimeModel(profile(), StepCost.of(TINY, 2, 2))
+    saved = model.seconds([1] * 8, [300] * 8, 8) - model.seconds([1] * 8, [300] * 8, 8, shared_tokens=7 * 256)
+    assert saved == pytest.approx(KV_BYTES_PER_TOKEN * 7 * 256 / (1e6 * 0.5))  # a KV-bound step on a slow memory
