@@ -200,8 +200,9 @@ def real_runs(workloads: list[str], out: Path, rounds: int, replay: bool = False
                 factor = ROUNDS_FACTOR.get(name, 1)
                 seeds = range(r * factor, min((r + 1) * factor, last[name]))
                 runs[name] += [real_run(url, out, name, seed) for seed in seeds]
-    if fit_trace is not None:  # the server closed its trace as it stopped
-        fit_trace.write_text("".join([trace_lines(server_trace)[0], *fit_steps]))
+    if fit_trace is not None:  # the server closed its trace as it stopped, the peaks measured again last
+        header, *lines = trace_lines(server_trace)
+        fit_trace.write_text("".join([header, *fit_steps, *(line for line in lines if line.startswith("{"))]))
         print(f"{len(fit_steps)} steps to fit -> {fit_trace}", flush=True)
     return runs
 

@@ -5,7 +5,9 @@ steps the engine really ran.
 
 A trace is JSON lines: a header (the model's shape, dtype, block size, how steps run, this CPU's peaks), then one
 ``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens]`` per step (``Batch.shared_kv_tokens``; a
-trace written before it has the first four), the same as the steps ``sim fit --native --save-steps`` writes. A step's seconds are its share of the engine's time line: from the end of the step before
+trace written before it has the first four), the same as the steps ``sim fit --native --save-steps`` writes. On a
+CPU the peaks are measured again as the trace closes, a last line ``{"peaks": ...}``, and a reader takes the higher
+of each: a host busy at one measurement reads low, never high, and a fit's efficiencies are shares of the peaks. A step's seconds are its share of the engine's time line: from the end of the step before
 it to its own end (its tokens sampled) while the engine has work, the host's bookkeeping between steps included;
 from its own start after the engine idled. Ends are read on the device's clock: on a GPU, events on the stream,
 so that a step launched ahead (async scheduling) ends when the device finishes it, not when the host next looks
@@ -19,7 +21,7 @@ import dataclasses
 import gzip
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -82,7 +84,8 @@ class _Launched:
 class StepTrace:
     """Appends the engine's steps to a trace file (JSON lines)."""
 
-    def __init__(self, path: str | Path, header: dict[str, Any], clock: StepClock | None = None) -> None:
+    def __init__(self, path: str | Path, header: dict[str, Any], clock: StepClock | None = None,
+                 measure_peaks: Callable[[], dict[str, float]] | None = None) -> None:
         try:
             self._file: IO[str] = open(path, "w")  # noqa: SIM115 - open for the engine's life, closed by close()
         except OSError as exc:
@@ -91,6 +94,7 @@ class StepTrace:
                                              "--from`", **header}) + "\n")
         self._file.flush()
         self.clock: StepClock = clock or HostClock()
+        self._measure_peaks = measure_peaks  # again as the trace closes (a CPU's)
         self._block_size: int = header["block_size"]
         self._lines: list[str] = []
         self._launched: list[_Launched] = []  # not written yet, in launch order
@@ -128,6 +132,8 @@ class StepTrace:
         with contextlib.suppress(RuntimeError):  # a failed device cannot time its last steps: they are left out
             self.called(in_flight=False, more=False)
         self.flush()
+        if self._measure_peaks is not None:
+            self._file.write(json.dumps({"peaks": self._measure_peaks()}) + "\n")
         self._file.close()
 
 
@@ -145,10 +151,15 @@ def open_trace(path: str | Path, engine) -> StepTrace:
               "block_size": engine.blocks.block_size, "async_scheduling": engine.overlap_steps,
               "fused_steps": getattr(runner, "fused", None) is not None,
               "fused_rows": fused_rows(getattr(runner, "fused", None))}
-    if runner.device.type == "cpu":
+    if runner.device.type != "cpu":
+        return StepTrace(path, header, CudaClock(runner.device) if runner.device.type == "cuda" else HostClock())
+
+    def peaks() -> dict[str, float]:
         flops, bandwidth = measure_cpu_peaks(runner.dtype)
-        header["peaks"] = {"flops": flops, "bandwidth": bandwidth}
-    return StepTrace(path, header, CudaClock(runner.device) if runner.device.type == "cuda" else HostClock())
+        return {"flops": flops, "bandwidth": bandwidth}
+
+    header["peaks"] = peaks()
+    return StepTrace(path, header, HostClock(), measure_peaks=peaks)
 
 
 def load_trace(path: str | Path) -> dict[str, Any]:
@@ -164,7 +175,14 @@ def open_text(path: str | Path) -> IO[str]:
 
 
 def parse_trace(lines: Iterable[str]) -> dict[str, Any]:
-    """A trace's lines (the header first) as ``load_trace`` gives them."""
+    """A trace's lines (the header first) as ``load_trace`` gives them: its steps, and each peak the highest
+    measured."""
     lines = iter(lines)
     header = json.loads(next(lines))
-    return {**header, "steps": [json.loads(line) for line in lines if line.strip()]}
+    steps = []
+    for record in (json.loads(line) for line in lines if line.strip()):
+        if isinstance(record, dict):  # the peaks measured again as the trace closed
+            header["peaks"] = {k: max(v, record["peaks"][k]) for k, v in header["peaks"].items()}
+        else:
+            steps.append(record)
+    return {**header, "steps": steps}

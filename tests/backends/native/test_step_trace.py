@@ -63,6 +63,17 @@ def test_a_step_still_on_the_device_when_the_trace_closes_is_written(tmp_path):
     assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004), 0]]
 
 
+def test_the_peaks_measured_again_as_the_trace_closes_raise_those_of_the_header_never_lower_them(tmp_path):
+    """A host busy at one of the two measurements reads low there: the reader keeps the higher of each peak."""
+    header = {"model": "m", "block_size": 64, "peaks": {"flops": 1e11, "bandwidth": 3e10}}
+    trace = StepTrace(tmp_path / "t.jsonl", header, measure_peaks=lambda: {"flops": 2e11, "bandwidth": 2e10})
+    trace.launched(_batch([3], [3]), start=0.0, done=0.004)
+    trace.called(in_flight=False, more=False)
+    trace.close()
+    read = load_trace(tmp_path / "t.jsonl")
+    assert read["peaks"] == {"flops": 2e11, "bandwidth": 3e10} and len(read["steps"]) == 1
+
+
 class _SteppedClock:
     """A clock that moves one unit per mark, and as far as a test says in between."""
 
@@ -164,6 +175,7 @@ def test_a_profile_is_fitted_on_a_trace(tmp_path, smollm2_tokenizer):
     assert result.exit_code == 0, result.output
     profile = json.loads((tmp_path / "served.json").read_text())
     assert profile["name"] == "served" and profile["source"]["points"] == len(load_trace(path)["steps"])
+    assert json.loads(path.read_text().splitlines()[-1]).keys() == {"peaks"}  # measured again as it closed
     # the steps the engine ran whole in one C call (up to its fused rows, prompt tokens or not) launch no layers
     assert load_trace(path)["fused_rows"] == fused_rows(engine.runner.fused)
     assert (profile["replays_decode"], profile["whole_step_tokens"]) == (False, fused_rows(engine.runner.fused))
