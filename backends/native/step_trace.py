@@ -7,11 +7,13 @@ A trace is JSON lines: a header (the model's shape, dtype, block size, how steps
 ``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens]`` per step (``Batch.shared_kv_tokens``; a
 trace written before it has the first four), the same as the steps ``sim fit --native --save-steps`` writes. On a
 CPU the peaks are measured again as the trace closes, a last line ``{"peaks": ...}``, and a reader takes the higher
-of each: a host busy at one measurement reads low, never high, and a fit's efficiencies are shares of the peaks. A step's seconds are its share of the engine's time line: from the end of the step before
-it to its own end (its tokens sampled) while the engine has work, the host's bookkeeping between steps included;
-from its own start after the engine idled. Ends are read on the device's clock: on a GPU, events on the stream,
-so that a step launched ahead (async scheduling) ends when the device finishes it, not when the host next looks
-(a host that blocks in one step's launch would otherwise move time from that step to the one before).
+of each: a host busy at one measurement reads low, never high, and a fit's efficiencies are shares of the peaks.
+
+A step's seconds are its share of the engine's time line: from the end of the step before it to its own end (its
+tokens sampled) while the engine has work, the host's bookkeeping between steps included; from its own start after
+the engine idled. Ends are read on the device's clock: on a GPU, events on the stream, so that a step launched
+ahead (async scheduling) ends when the device finishes it, not when the host next looks (a host that blocks in one
+step's launch would otherwise move time from that step to the one before).
 """
 
 from __future__ import annotations
