@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from peers import run_record
 
 from backends.native.config import EngineConfig, SimulationConfig
 from backends.sim.cli import routing_config
+from backends.sim.profile import load_profile
 from backends.sim.virtual import VirtualFleet, burst_workload, conversation_workload, engine_tokenizer
 from loadtest.schedule import Schedule, arrival_offsets
 
@@ -56,8 +58,8 @@ def run(engine: EngineConfig, replicas: int, policy: str, requests: list, tokeni
     return row
 
 
-def scale(sizes: list[int], policies: list[str]) -> dict:
-    engine = EngineConfig(model_path="configs/llama-12.3b-gqa.json", simulate=SimulationConfig(profile="h100"))
+def scale(sizes: list[int], policies: list[str], profile: str) -> dict:
+    engine = EngineConfig(model_path="configs/llama-12.3b-gqa.json", simulate=SimulationConfig(profile=profile))
     tokenizer = engine_tokenizer(engine)
     out = {}
     for replicas in sizes:
@@ -69,8 +71,8 @@ def scale(sizes: list[int], policies: list[str]) -> dict:
     return out
 
 
-def llmd(rates: list[float], seconds: float, num_blocks: int | None = None) -> dict:
-    engine = EngineConfig(model_path="configs/llama-3.1-8b.json", simulate=SimulationConfig(profile="h100"),
+def llmd(rates: list[float], seconds: float, profile: str, num_blocks: int | None = None) -> dict:
+    engine = EngineConfig(model_path="configs/llama-3.1-8b.json", simulate=SimulationConfig(profile=profile),
                           max_model_len=8448, num_blocks=num_blocks)
     tokenizer = engine_tokenizer(engine)
     variants = {"precise (cache_aware, KV events)": ("cache_aware", True),
@@ -95,15 +97,23 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="llm-d shape: seconds of arrivals per rate")
     ap.add_argument("--num-blocks", type=int, help="llm-d shape: KV blocks per replica (default: what an H100 "
                     "holds); fewer puts the prefix caches under pressure")
+    ap.add_argument("--kv-cache-reuse", type=float, metavar="SHARE", help="the H100 profile with this share of the "
+                    "reads of KV blocks several of a step's sequences share served by the caches (as shipped: 0, not "
+                    "measured on a GPU; a CPU's: 1)")
     ap.add_argument("--skip", action="append", default=[], choices=["scale", "llmd"])
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     record = run_record()
-    if "scale" not in args.skip:
-        record["scale"] = scale([int(x) for x in args.sizes.split(",")], args.policies.split(","))
-    if "llmd" not in args.skip:
-        record["llmd"] = llmd([float(x) for x in args.rates.split(",")], args.seconds, args.num_blocks)
-        record["llmd_num_blocks"] = args.num_blocks
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = "h100"
+        if args.kv_cache_reuse is not None:
+            load_profile(profile).model_copy(update={"kv_cache_reuse": args.kv_cache_reuse}).save(Path(tmp) / "h100.json")
+            profile = str(Path(tmp) / "h100.json")
+        if "scale" not in args.skip:
+            record["scale"] = scale([int(x) for x in args.sizes.split(",")], args.policies.split(","), profile)
+        if "llmd" not in args.skip:
+            record["llmd"] = llmd([float(x) for x in args.rates.split(",")], args.seconds, profile, args.num_blocks)
+            record["llmd_num_blocks"] = args.num_blocks
     if args.save:
         args.save.write_text(json.dumps(record, indent=1) + "\n")
 

@@ -69,6 +69,9 @@ def fit(
                                                   "not those of the steps run layer by layer.")] = False,
     memory_overlap: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="Take that share as "
                                                          "given instead (default: a CPU's 0, a GPU's 1).")] = None,
+    kv_cache_reuse: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="The share of the "
+                                                         "reads of KV blocks several of a step's sequences share that "
+                                                         "the caches serve (default: a CPU's 1, a GPU's 0).")] = None,
     spread: Annotated[bool | None, typer.Option("--spread/--no-spread", help="Keep the measured steps' spread "
                                                 "around the model, for simulated steps to draw from (default: when "
                                                 "each step was timed alone: --native, saved steps, step traces; not "
@@ -122,12 +125,15 @@ def fit(
 
     if memory_overlap is not None:
         base = base.model_copy(update={"memory_overlap": memory_overlap})
+    if kv_cache_reuse is not None:
+        base = base.model_copy(update={"kv_cache_reuse": kv_cache_reuse})
     fixed = load_profile(compute_from) if compute_from is not None else None
     how = " ".join(["burstgate sim fit", *(f"--gpu {gpu}",) * bool(gpu), *(f"--from {f}" for f in measured_files),
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
                     *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap,
                     *("--fit-whole-steps",) * fit_whole_steps,
                     *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"]),
+                    *([] if kv_cache_reuse is None else [f"--kv-cache-reuse {kv_cache_reuse:g}"]),
                     *([] if spread is None else ["--spread" if spread else "--no-spread"])])
     try:
         profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap,

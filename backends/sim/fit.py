@@ -20,7 +20,7 @@ import numpy as np
 
 from backends.native.config import ModelConfig
 from backends.sim.profile import SPREAD_POINTS, ProfileSource, StepProfile
-from backends.sim.step_time import StepCost, StepTimeModel, StepWork, part_seconds
+from backends.sim.step_time import StepCost, StepTimeModel, StepWork, kv_bytes, part_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smollm2": ROOT / "configs" / "smollm2-135m.json"}
@@ -138,7 +138,7 @@ def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarra
         c, w = p.cost, p.work
         model = StepTimeModel(base.model_copy(update={"compute_efficiency": 1.0, "memory_efficiency": 1.0}), c)
         rows.append((c.linear_flops_per_token * w.tokens + c.lm_head_flops_per_row * w.sampled_rows, c.weight_bytes,
-                     c.attention_flops_per_query_key * w.query_keys, c.kv_bytes_per_token * (w.kv_read_tokens + w.tokens),
+                     c.attention_flops_per_query_key * w.query_keys, kv_bytes(c, w, base.kv_cache_reuse),
                      model.parts(w)[2], 0 if base.runs_whole(w.tokens, w.decode_only) else c.layers))
     names = ("linear_flops", "weight_bytes", "attention_flops", "kv_bytes", "allreduce_s", "launched_layers")
     return {name: np.array(column, dtype=float) for name, column in zip(names, zip(*rows))}
@@ -320,7 +320,7 @@ def cpu_base_profile(name: str, steps: dict) -> StepProfile:
         whole = {"replays_decode": steps["fused_steps"]}
     return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
                        bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
-                       step_overhead_s=0.0, per_sequence_s=0.0, launches_overlap=False, memory_overlap=0.0,
+                       step_overhead_s=0.0, per_sequence_s=0.0, launches_overlap=False, memory_overlap=0.0, kv_cache_reuse=1.0,
                        block_size=steps["block_size"], dtype=steps["dtype"], source=ProfileSource(how="unfitted"),
                        **whole)
 

@@ -59,6 +59,11 @@ class StepProfile(BaseModel):
     # the share of the shorter of a part's two times (its FLOPs', its bytes') hidden behind the longer: 1 the
     # roofline (GPUs), 0 their sum; a CPU's cores hide some of a small batch's arithmetic behind its weight reads
     memory_overlap: float = Field(1.0, ge=0, le=1)
+    # the share of the reads of a KV block several of a step's sequences hold (a prefix cache hit) that the caches
+    # serve after the first: 1 on a CPU, whose L2 holds a shared block's slice of a layer (measured: 8 decodes
+    # sharing 256 tokens); 0, every sequence reading from memory, until a GPU's served steps with shared prefixes
+    # say otherwise
+    kv_cache_reuse: float = Field(0.0, ge=0, le=1)
     interconnect_bandwidth: float = Field(NVLINK_BANDWIDTH, gt=0)  # bytes/s per direction, for tensor parallelism
     allreduce_latency_s: float = Field(10e-6, ge=0)
     block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)

@@ -20,7 +20,8 @@ device's work, so the step takes the longer of the two ((+) is max); a CPU does 
 
 The linear layers read every weight once per step however many tokens share it (decode is bound by bytes,
 prefill by FLOPs); attention reads each sequence's keys and values once (decode at long contexts is bound by
-the KV cache) and computes a query against every key before it. Pure arithmetic on plain numbers: the
+the KV cache; a block several of a step's sequences hold through the prefix cache is read from memory once where
+the profile's ``kv_cache_reuse`` says the caches serve the others) and computes a query against every key before it. Pure arithmetic on plain numbers: the
 virtual-time fleet calls it once per simulated step.
 """
 
@@ -65,6 +66,12 @@ class StepCost:
                    allreduces_per_step=2 * config.num_layers if tp > 1 else 0, layers=config.num_layers, tp=tp)
 
 
+def kv_bytes(cost: StepCost, work: StepWork, reuse: float) -> float:
+    """Bytes of KV cache a step moves: every cached token its sequences read, less the ``reuse`` share of the reads
+    of blocks another of them reads too (``StepProfile.kv_cache_reuse``), and its new tokens written."""
+    return cost.kv_bytes_per_token * (work.kv_read_tokens - reuse * work.shared_kv_tokens + work.tokens)
+
+
 @dataclass(frozen=True)
 class StepWork:
     """What one step does, summed over its sequences."""
@@ -76,16 +83,18 @@ class StepWork:
     kv_read_tokens: int  # tokens of KV cache attention reads
     decode_only: bool  # every sequence computes one token: a step the engine can replay whole
 
+    shared_kv_tokens: int = 0  # of those, the ones another sequence of the step reads too (past the first reader)
+
     @classmethod
     def of(cls, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> StepWork:
         """The work of a step over these sequences, of whose cached tokens ``shared_tokens`` are held by another of
-        them too (``Batch.shared_kv_tokens``): read from memory once."""
+        them too (``Batch.shared_kv_tokens``)."""
         # Query j of a chunk of q new tokens sees the c - q cached tokens and j + 1 of its own: c - (q - 1) / 2
         # keys on average.
         pairs = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
         tokens = sum(query_lens)
-        return cls(len(query_lens), tokens, sampled_rows, pairs, sum(context_lens) - shared_tokens,
-                   tokens == len(query_lens))
+        return cls(len(query_lens), tokens, sampled_rows, pairs, sum(context_lens), tokens == len(query_lens),
+                   shared_tokens)
 
 
 class StepTimeModel:
@@ -120,7 +129,7 @@ class StepTimeModel:
         linear = self._part((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
                             c.weight_bytes / bw)
         attention = self._part(c.attention_flops_per_query_key * work.query_keys / flops,
-                               c.kv_bytes_per_token * (work.kv_read_tokens + work.tokens) / bw)
+                               kv_bytes(c, work, self.profile.kv_cache_reuse) / bw)
         allreduce = 0.0
         if c.allreduces_per_step:  # ring all-reduce: each rank sends and receives 2 (tp - 1) / tp of the payload
             payload = c.allreduce_bytes_per_token * work.tokens * 2 * (c.tp - 1) / c.tp

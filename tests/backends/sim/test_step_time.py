@@ -130,14 +130,15 @@ def test_a_step_run_whole_computes_at_the_profiles_whole_step_efficiency_and_a_s
     assert own.parts(launched) == plain.parts(launched)
 
 
-def test_kv_blocks_several_sequences_share_are_read_once():
-    """Eight decodes whose contexts of 300 start with the same 256 cached tokens read 8 x 44 + 256 tokens of KV
-    cache, not 8 x 300; their attention still computes against every key."""
+@pytest.mark.parametrize("reuse", [1.0, 0.5, 0.0])
+def test_the_caches_serve_the_profiles_share_of_reads_of_kv_blocks_several_sequences_share(reuse):
+    """Eight decodes whose contexts of 300 start with the same 256 cached tokens: with every shared read served by
+    the caches they read 8 x 44 + 256 tokens of KV cache from memory, not 8 x 300; with none, all of them. Their
+    attention computes against every key either way."""
     from backends.sim.step_time import StepWork
 
     alone, shared = StepWork.of([1] * 8, [300] * 8, 8), StepWork.of([1] * 8, [300] * 8, 8, shared_tokens=7 * 256)
-    assert (alone.kv_read_tokens, shared.kv_read_tokens) == (8 * 300, 8 * 44 + 256)
-    assert shared.query_keys == alone.query_keys
-    model = StepTimeModel(profile(), StepCost.of(TINY, 2, 2))
+    assert (shared.kv_read_tokens, shared.shared_kv_tokens, shared.query_keys) == (8 * 300, 7 * 256, alone.query_keys)
+    model = StepTimeModel(profile(kv_cache_reuse=reuse), StepCost.of(TINY, 2, 2))
     saved = model.seconds([1] * 8, [300] * 8, 8) - model.seconds([1] * 8, [300] * 8, 8, shared_tokens=7 * 256)
-    assert saved == pytest.approx(KV_BYTES_PER_TOKEN * 7 * 256 / (1e6 * 0.5))  # a KV-bound step on a slow memory
+    assert saved == pytest.approx(reuse * KV_BYTES_PER_TOKEN * 7 * 256 / (1e6 * 0.5))  # a KV-bound step, slow memory
