@@ -312,16 +312,18 @@ def gpu_base_profile(name: str, gpu_name: str) -> StepProfile:
 
 
 def cpu_base_profile(name: str, steps: dict) -> StepProfile:
-    """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype, and
-    which steps ran whole (``fused_rows``; a record from before it says only whether decode steps did)."""
+    """What a CPU profile starts from: the peaks measured beside its steps, the engine's block size and dtype,
+    which steps ran whole (``fused_rows``; a record from before it says only whether decode steps did), and the
+    caches serving the reads of KV blocks a step's sequences share (a layer's slice of a block is kilobytes)."""
     if "fused_rows" in steps:
         whole: dict[str, Any] = {"replays_decode": False, "whole_step_tokens": steps["fused_rows"]}
     else:
         whole = {"replays_decode": steps["fused_steps"]}
     return StepProfile(name=name, device=steps["machine"], memory_bytes=None, peak_flops=steps["peaks"]["flops"],
                        bandwidth=steps["peaks"]["bandwidth"], compute_efficiency=1.0, memory_efficiency=1.0,
-                       step_overhead_s=0.0, per_sequence_s=0.0, launches_overlap=False, memory_overlap=0.0, kv_cache_reuse=1.0,
-                       block_size=steps["block_size"], dtype=steps["dtype"], source=ProfileSource(how="unfitted"),
+                       step_overhead_s=0.0, per_sequence_s=0.0, launches_overlap=False, memory_overlap=0.0,
+                       kv_cache_reuse=1.0, block_size=steps["block_size"], dtype=steps["dtype"],
+                       source=ProfileSource(how="unfitted"),
                        **whole)
 
 

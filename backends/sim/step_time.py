@@ -20,9 +20,9 @@ device's work, so the step takes the longer of the two ((+) is max); a CPU does 
 
 The linear layers read every weight once per step however many tokens share it (decode is bound by bytes,
 prefill by FLOPs); attention reads each sequence's keys and values once (decode at long contexts is bound by
-the KV cache; a block several of a step's sequences hold through the prefix cache is read from memory once where
-the profile's ``kv_cache_reuse`` says the caches serve the others) and computes a query against every key before it. Pure arithmetic on plain numbers: the
-virtual-time fleet calls it once per simulated step.
+the KV cache; of a block several of a step's sequences hold through the prefix cache, the profile's
+``kv_cache_reuse`` share of the reads after the first comes from the caches) and computes a query against every
+key before it. Pure arithmetic on plain numbers: the virtual-time fleet calls it once per simulated step.
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ class StepWork:
     query_keys: float  # query-key pairs attention computes (causal within a chunk)
     kv_read_tokens: int  # tokens of KV cache attention reads
     decode_only: bool  # every sequence computes one token: a step the engine can replay whole
-
     shared_kv_tokens: int = 0  # of those, the ones another sequence of the step reads too (past the first reader)
 
     @classmethod
