@@ -96,8 +96,9 @@ class SimulatedRunner:
         """The step's modelled seconds in ``last_step_s`` (slept in real time), drawn from the profile's step spread
         where it has one; one filler token per sampled row."""
         rows = sum(batch.sample)
-        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows,
-                                                  batch.shared_kv_tokens(self.block_size))
+        # blocks the step's sequences share matter only where the caches serve some of their reads
+        shared = batch.shared_kv_tokens(self.block_size) if self.profile.kv_cache_reuse else 0
+        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows, shared)
         if self._draws is not None:
             self.last_step_s *= self.profile.spread_factor(self._draws.random())
         if self.real_time:
