@@ -373,7 +373,7 @@ def load_steps(path: Path | str) -> dict:
     except json.JSONDecodeError:
         try:
             return parse_trace(text.splitlines())
-        except (json.JSONDecodeError, StopIteration):
+        except (json.JSONDecodeError, StopIteration, KeyError, TypeError, AttributeError):
             raise ValueError(f"{path}: neither measured steps (JSON) nor a step trace (JSON lines)") from None
 
 

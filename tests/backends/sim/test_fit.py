@@ -230,6 +230,7 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones():
     (["--from", "benchmarks/results/h200_served_steps_rerun.jsonl.gz"], "for a GPU's steps give --gpu"),
     (["--from", "{tmp}/garbage.jsonl"], "neither measured steps (JSON) nor a step trace"),
     (["--from", "{tmp}/garbage.jsonl.gz"], "cannot be read: Not a gzipped file"),
+    (["--from", "{tmp}/peaks_without_header_peaks.jsonl"], "neither measured steps (JSON) nor a step trace"),
     (["--gpu", "h200", "--from", "{tmp}/garbage.jsonl.gz"], "cannot be read"),
     (["--gpu", "h200", "--from", "benchmarks/results/gpu_check_h200.json", "--fit-overlap", "--memory-overlap", "0.5"],
      "either fit the overlap or give it"),
@@ -241,6 +242,8 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones():
 def test_bad_fits_are_usage_errors(args, message, tmp_path):
     for name in ("garbage.jsonl", "garbage.jsonl.gz"):
         (tmp_path / name).write_text("not steps\n")
+    (tmp_path / "peaks_without_header_peaks.jsonl").write_text(  # a closing peaks line, and none in the header
+        '{"block_size": 64}\n[[1], [2], 1, 0.01, 0]\n{"peaks": {"flops": 1e11}}\n')
     args = [a.format(tmp=tmp_path) for a in args]
     result = CliRunner().invoke(app, ["sim", "fit", *args, "--out", str(tmp_path / "p.json")])
     assert result.exit_code != 0 and message in " ".join(result.output.split()), result.output
