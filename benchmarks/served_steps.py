@@ -35,10 +35,15 @@ WORKLOADS = {
     # conversations decode so)
     "burst_10x320_64": ["--requests", "10", "--input-len", "320", "--output-len", "64"],
     "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
+    # prompts a little over the fused step's 128 rows arriving beside decodes: steps run layer by layer with few prompt
+    # tokens, whose time is mostly the launches' (the bursts' steps launched hold hundreds of prompt tokens or more)
+    "poisson_short": ["--requests", "40", "--input-len", "160", "--output-len", "40", "--rate", "1.2", "--schedule",
+                      "poisson"],
     "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
                    "64", "--output-len", "24"],
 }
-# --long-turns: decodes of several conversations with 300-600 tokens of context each, which the shapes above lack
+# --long-turns: decodes of several conversations with 300-600 tokens of context each, which the shapes above lack,
+# and their turns' prompts over those contexts (attention over a cached history)
 LONG_TURNS = ["--endpoint", "chat", "--users", "6", "--turns", "4", "--system-prompt-len", "320", "--question-len", "40",
               "--output-len", "40"]
 

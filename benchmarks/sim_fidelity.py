@@ -45,7 +45,8 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
 from peers import burstgate, loadtest, loadtest_result, positive_int, run_record
 from served_burst import MODEL, serve_model
-from served_steps import WORKLOADS as FIT_WORKLOADS
+from served_steps import LONG_TURNS
+from served_steps import WORKLOADS as SERVED_STEPS
 
 WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
     "mixed": ["--requests", "64", "--input-len", "32:512", "--output-len", "16:256"],
@@ -58,6 +59,9 @@ WORKLOADS = {  # loadtest options; all with fixed outputs (ignore_eos), seed 0
 # first step leaves waiting share their next step's end. Four turns give four values, and on a 2-core host nine runs
 # in one session read 803-1,208 ms (docs/performance.md): three times the rounds, 36 values.
 ROUNDS_FACTOR = {"multi_turn": 3}
+# the fit's workloads: served_steps.py's, with conversations over long histories (--long-turns), whose turns show
+# attention's own efficiency
+FIT_WORKLOADS = {**SERVED_STEPS, "multi_turn_long": LONG_TURNS}
 FIT_SEED = 1000  # the fit's prompts: none of the check's (seeds 0, 1, ...), whose prefixes the cache would keep
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 DESIGN = "configs/llama-12.3b-gqa.json"
@@ -237,11 +241,13 @@ def trace_lines(path: Path) -> list[str]:
 
 
 def fit_profile(trace: Path, profile: Path) -> None:
-    """``burstgate sim fit`` on ``trace``, as this machine's fits on served steps are made, to ``profile``: with a
-    compute efficiency of its own for the steps the engine's fused step ran whole, where it has one."""
+    """``burstgate sim fit`` on ``trace``, as this machine's fits on served steps are made, to ``profile``: with
+    compute efficiencies of their own for attention and for the steps the engine's fused step ran whole, where it
+    has one."""
     with trace.open() as f:
         fused = json.loads(f.readline()).get("fused_rows")
-    subprocess.run(burstgate("sim", "fit", "--from", str(trace), "--fit-overlap", *["--fit-whole-steps"] * bool(fused),
+    subprocess.run(burstgate("sim", "fit", "--from", str(trace), "--fit-overlap", "--fit-attention",
+                             *["--fit-whole-steps"] * bool(fused),
                              "--name", profile.stem, "--out", str(profile)), check=True)
 
 

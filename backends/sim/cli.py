@@ -67,6 +67,9 @@ def fit(
     fit_whole_steps: Annotated[bool, typer.Option("--fit-whole-steps", help="Fit a compute efficiency of its own for "
                                                   "the steps that run whole: a CPU's fused step, whose kernels are "
                                                   "not those of the steps run layer by layer.")] = False,
+    fit_attention: Annotated[bool, typer.Option("--fit-attention", help="Fit a compute efficiency of its own for "
+                                                "attention's query-key products, whose kernels are not the linear "
+                                                "layers' (found by turns with the others' grid).")] = False,
     memory_overlap: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="Take that share as "
                                                          "given instead (default: a CPU's 0, a GPU's 1).")] = None,
     kv_cache_reuse: Annotated[float | None, typer.Option(min=0.0, max=1.0, metavar="SHARE", help="The share of the "
@@ -132,18 +135,21 @@ def fit(
                     *(f"--compute-from {compute_from}",) * bool(compute_from), *("--native",) * native,
                     *(f"--name {name}",) * bool(name), *("--fit-overlap",) * fit_overlap,
                     *("--fit-whole-steps",) * fit_whole_steps,
+                    *("--fit-attention",) * fit_attention,
                     *([] if memory_overlap is None else [f"--memory-overlap {memory_overlap:g}"]),
                     *([] if kv_cache_reuse is None else [f"--kv-cache-reuse {kv_cache_reuse:g}"]),
                     *([] if spread is None else ["--spread" if spread else "--no-spread"])])
     try:
         profile = fitting.fit_profile(points, base, fixed, how=how, files=measured_files, fit_overlap=fit_overlap,
-                                      spread=one_by_one if spread is None else spread, fit_whole_steps=fit_whole_steps)
+                                      spread=one_by_one if spread is None else spread, fit_whole_steps=fit_whole_steps,
+                                      fit_attention=fit_attention)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--from") from None
     profile.save(out)
-    whole = profile.whole_step_compute_efficiency
+    whole, attention = profile.whole_step_compute_efficiency, profile.attention_compute_efficiency
     typer.echo(f"{profile.name}: compute {profile.compute_efficiency:.0%}"
-               f"{'' if whole is None else f' ({whole:.0%} in steps run whole)'}, memory {profile.memory_efficiency:.0%}, "
+               f"{'' if whole is None else f' ({whole:.0%} in steps run whole)'}"
+               f"{'' if attention is None else f', attention {attention:.0%}'}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
                f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "

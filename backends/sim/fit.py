@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,61 +39,66 @@ class StepPoint:
     seconds: float
 
 
+ATTENTION_ROUNDS = 6  # turns of the attention efficiency's search and the grid's, at most (two or three settle it)
+ATTENTION_GAIN = 1e-3  # the least relative fall in error that moves attention off the compute efficiency
+
+
+class _GridFit(NamedTuple):
+    """The grid's best cell: its weighted squared error and the parameters that give it."""
+
+    error: float
+    compute: float
+    whole: float  # nan: the steps run whole compute at ``compute``
+    memory: float
+    overhead: float
+    per_sequence: float
+    launch: float
+    overlap: float
+
+
 def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepProfile | None = None,
                 how: str = "", files: list[str] | None = None, fit_overlap: bool = False,
-                spread: bool = False, fit_whole_steps: bool = False) -> StepProfile:
+                spread: bool = False, fit_whole_steps: bool = False, fit_attention: bool = False) -> StepProfile:
     """``base`` (peaks, memory, block size, how steps run) with the efficiencies and costs fitted on ``points``;
-    with ``compute_from``, its compute efficiency and launch cost are taken as given: what points with no
+    with ``compute_from``, its compute efficiencies and launch cost are taken as given: what points with no
     prefill step cannot show (the same chip and engine measured elsewhere). With ``fit_overlap``, how much a
     part's FLOPs and bytes overlap is fitted too (``memory_overlap``, from 0: they add up, to 1: the roofline, in
     tenths); else ``base`` says. With ``fit_whole_steps``, the steps ``base`` runs whole get a compute efficiency
     of their own (``whole_step_compute_efficiency``: a CPU's fused step runs other kernels than its steps run layer
-    by layer). With ``spread`` (points timed one by one), the percentiles of the measured / modelled ratios over
-    their mean are kept as the profile's ``step_spread``."""
+    by layer). With ``fit_attention``, so does attention (``attention_compute_efficiency``: its own kernels), found by
+    turns with the grid of the others. With ``spread`` (points timed one by one), the percentiles of the measured /
+    modelled ratios over their mean are kept as the profile's ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     whole = np.array([base.runs_whole(p.work.tokens, p.work.decode_only) for p in points])
     if fit_whole_steps and (whole.all() or not whole.any()):
         raise ValueError(f"a compute efficiency of the steps run whole needs steps run whole and steps that are not; "
                          f"{whole.sum()} of these {len(points)} ran whole")
-    if fit_whole_steps and compute_from:
-        raise ValueError("the compute efficiency is either fitted on these steps (of steps run whole too) or taken "
-                         "from another profile")
+    if (fit_whole_steps or fit_attention) and compute_from:
+        raise ValueError("the compute efficiencies are either fitted on these steps or taken from another profile")
     y = np.array([p.seconds for p in points])
     n = np.array([p.work.sequences for p in points], dtype=float)
-    f = _features(points, base)
-    computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
-    launch_grid = np.array([compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID)
     # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
     # many more of the first; TTFT depends on the second)
     decode = np.array([p.work.decode_only for p in points])
     share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
-    w2 = share / y**2
-    weight_sums = (w2.sum(), (w2 * n).sum(), (w2 * n * n).sum())
-    best = None
-    for overlap in OVERLAP_GRID if fit_overlap else (base.memory_overlap,):
-        if fit_whole_steps:  # each group's sums on its own efficiency's axis: [sum, launch, compute, whole, memory]
-            sums = _grid_sums(y, n, w2, f, ~whole, base, computes, launch_grid, overlap)[:, :, :, None]
-            whole_sums = _grid_sums(y, n, w2, f, whole, base, EFFICIENCY_GRID, launch_grid[:1], overlap)[:, 0, None]
-            wholes = EFFICIENCY_GRID
-        else:
-            sums = _grid_sums(y, n, w2, f, np.ones_like(whole), base, computes, launch_grid, overlap)[:, :, :, None]
-            whole_sums, wholes = np.zeros(1), np.array([np.nan])
-        for k, launch in enumerate(launch_grid):
-            overhead, per_seq, error = _costs(tuple(sums[:, k] + whole_sums), weight_sums)
-            error = np.maximum(error, 0)  # expanded sums of squares can round below zero
-            i, w, j = np.unravel_index(np.argmin(error), error.shape)
-            # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding: the
-            # candidate found first (the smaller launch cost) stays
-            if best is None or error[i, w, j] < best[0] - max(1e-9 * best[0], 1e-15):
-                best = (error[i, w, j], computes[i], wholes[w], EFFICIENCY_GRID[j], overhead[i, w, j], per_seq[i, w, j],
-                        launch, overlap)
-    assert best is not None  # the grids are never empty
-    _, c, cw, m, o, s, launch, overlap = best
-    fitted = base.model_copy(update={"compute_efficiency": float(c), "memory_efficiency": float(m),
-                                     "whole_step_compute_efficiency": None if np.isnan(cw) else float(cw),
-                                     "step_overhead_s": float(o), "per_sequence_s": float(s),
-                                     "per_layer_launch_s": float(launch), "memory_overlap": float(overlap)})
+    grid = _Grid(y, n, share / y**2, _features(points, base), whole, base)
+    attention = compute_from.attention_compute_efficiency if compute_from else None
+    computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
+    launches = np.array([compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID)
+    overlaps = OVERLAP_GRID if fit_overlap else np.array([base.memory_overlap])
+    best = grid.best(computes, launches, overlaps, fit_whole_steps, attention)
+    for _ in range(ATTENTION_ROUNDS if fit_attention else 0):  # coordinate descent: each turn lowers the error
+        error, moved = grid.best_attention(best)
+        if not error < best.error * (1 - ATTENTION_GAIN) or moved == attention:
+            break
+        attention = moved
+        best = grid.best(computes, launches, overlaps, fit_whole_steps, attention)
+    fitted = base.model_copy(update={"compute_efficiency": best.compute, "memory_efficiency": best.memory,
+                                     "whole_step_compute_efficiency": None if np.isnan(best.whole) else best.whole,
+                                     "attention_compute_efficiency": attention,
+                                     "step_overhead_s": best.overhead, "per_sequence_s": best.per_sequence,
+                                     "per_layer_launch_s": best.launch, "memory_overlap": best.overlap})
     errors = relative_errors(fitted, points)
     if spread:  # around the model's mean: the fit sets a step's expected time, the spread only how it varies
         quantiles = np.quantile(1 / (1 + errors), np.linspace(0, 1, SPREAD_POINTS))
@@ -105,26 +110,87 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     return fitted
 
 
-def _grid_sums(y: np.ndarray, n: np.ndarray, w2: np.ndarray, f: dict[str, np.ndarray], chosen: np.ndarray,
-               base: StepProfile, computes: np.ndarray, launch_grid: np.ndarray, overlap: float) -> np.ndarray:
-    """The residual sums (``_residual_sums``) over the ``chosen`` points at every launch cost, compute efficiency and
-    memory efficiency of the grids: an array [sum, launch, compute, memory]."""
-    y, n, w2 = y[chosen], n[chosen], w2[chosen]
-    f = {name: column[chosen] for name, column in f.items()}
-    out = np.zeros((3, len(launch_grid), len(computes), len(EFFICIENCY_GRID)))
-    me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
-    # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of them
-    # at once is gigabytes of temporaries
-    cells = len(computes) * len(EFFICIENCY_GRID) * len(y)
-    for block in np.array_split(np.arange(len(computes)), min(len(computes), max(-(-cells // GRID_CELLS_AT_ONCE), 1))):
-        ce = computes[block][:, None, None]
-        device = (_part(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me), overlap)
-                  + _part(f["attention_flops"] / (base.peak_flops * ce), f["kv_bytes"] / (base.bandwidth * me), overlap)
-                  + f["allreduce_s"])
-        for k, (_, sums) in enumerate(_residual_sums(y, device, f["launched_layers"], launch_grid, n, w2,
-                                                     base.launches_overlap)):
-            out[:, k, block] = sums
-    return out
+@dataclass
+class _Grid:
+    """The points of a fit and what its searches share: measured seconds ``y``, sequences ``n``, least-squares
+    weights ``w2``, the model's FLOPs and bytes (``_features``) and which steps ran whole."""
+
+    y: np.ndarray
+    n: np.ndarray
+    w2: np.ndarray
+    f: dict[str, np.ndarray]
+    whole: np.ndarray
+    base: StepProfile
+
+    @property
+    def weight_sums(self) -> tuple[float, float, float]:
+        return self.w2.sum(), (self.w2 * self.n).sum(), (self.w2 * self.n * self.n).sum()
+
+    def best(self, computes: np.ndarray, launches: np.ndarray, overlaps: np.ndarray, fit_whole_steps: bool,
+             attention: float | None) -> _GridFit:
+        """The best cell over the grids of compute efficiency (and of the steps run whole, with
+        ``fit_whole_steps``), memory efficiency, launch cost and overlap, the per-step costs by least squares at
+        each; attention at ``attention``'s efficiency (None: the compute efficiency of its step)."""
+        best = None
+        for overlap in overlaps:
+            if fit_whole_steps:  # each group's sums on its own efficiency's axis: [sum, launch, compute, whole, memory]
+                sums = self.sums(~self.whole, computes, launches, overlap, attention)[:, :, :, None]
+                whole_sums = self.sums(self.whole, EFFICIENCY_GRID, launches[:1], overlap, attention)[:, 0, None]
+                wholes = EFFICIENCY_GRID
+            else:
+                sums = self.sums(np.ones_like(self.whole), computes, launches, overlap, attention)[:, :, :, None]
+                whole_sums, wholes = np.zeros(1), np.array([np.nan])
+            for k, launch in enumerate(launches):
+                overhead, per_seq, error = _costs(tuple(sums[:, k] + whole_sums), self.weight_sums)
+                error = np.maximum(error, 0)  # expanded sums of squares can round below zero
+                i, w, j = np.unravel_index(np.argmin(error), error.shape)
+                # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding:
+                # the candidate found first (the smaller launch cost) stays
+                if best is None or error[i, w, j] < best.error - max(1e-9 * best.error, 1e-15):
+                    best = _GridFit(float(error[i, w, j]), float(computes[i]), float(wholes[w]),
+                                    float(EFFICIENCY_GRID[j]), float(overhead[i, w, j]), float(per_seq[i, w, j]),
+                                    float(launch), float(overlap))
+        assert best is not None  # the grids are never empty
+        return best
+
+    def sums(self, chosen: np.ndarray, computes: np.ndarray, launches: np.ndarray, overlap: float,
+             attention: float | None) -> np.ndarray:
+        """The residual sums (``_residual_sums``) over the ``chosen`` points at every launch cost, compute efficiency
+        and memory efficiency of the grids: an array [sum, launch, compute, memory]."""
+        y, n, w2, base = self.y[chosen], self.n[chosen], self.w2[chosen], self.base
+        f = {name: column[chosen] for name, column in self.f.items()}
+        out = np.zeros((3, len(launches), len(computes), len(EFFICIENCY_GRID)))
+        me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
+        # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of
+        # them at once is gigabytes of temporaries
+        cells = len(computes) * len(EFFICIENCY_GRID) * len(y)
+        for block in np.array_split(np.arange(len(computes)),
+                                    min(len(computes), max(-(-cells // GRID_CELLS_AT_ONCE), 1))):
+            ce = computes[block][:, None, None]
+            device = (_part(f["linear_flops"] / (base.peak_flops * ce), f["weight_bytes"] / (base.bandwidth * me),
+                            overlap)
+                      + _part(f["attention_flops"] / (base.peak_flops * (attention or ce)),
+                              f["kv_bytes"] / (base.bandwidth * me), overlap)
+                      + f["allreduce_s"])
+            for k, (_, sums) in enumerate(_residual_sums(y, device, f["launched_layers"], launches, n, w2,
+                                                         base.launches_overlap)):
+                out[:, k, block] = sums
+        return out
+
+    def best_attention(self, at: _GridFit) -> tuple[float, float]:
+        """(error, efficiency) of the best attention efficiency of the grid with the rest at ``at``'s cell (the
+        per-step costs refitted at each)."""
+        base, f = self.base, self.f
+        compute = np.where(self.whole & ~np.isnan(at.whole), at.whole, at.compute)  # each step's linear layers'
+        linear = _part(f["linear_flops"] / (base.peak_flops * compute), f["weight_bytes"] / (base.bandwidth * at.memory),
+                       at.overlap)
+        attention = _part(f["attention_flops"] / (base.peak_flops * EFFICIENCY_GRID[:, None]),
+                          f["kv_bytes"] / (base.bandwidth * at.memory), at.overlap)  # [efficiency, point]
+        (_, sums), = _residual_sums(self.y, linear + attention + f["allreduce_s"], f["launched_layers"], [at.launch],
+                                    self.n, self.w2, base.launches_overlap)
+        _, _, error = _costs(sums, self.weight_sums)
+        i = int(np.argmin(error))
+        return float(error[i]), float(EFFICIENCY_GRID[i])
 
 
 def _part(flops_s: np.ndarray, bytes_s: np.ndarray, overlap: float) -> np.ndarray:

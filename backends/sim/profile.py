@@ -48,6 +48,10 @@ class StepProfile(BaseModel):
     # of peak_flops in the steps that run whole where they run kernels of their own (a CPU's fused C step: strips of
     # weights streamed under a broadcast-FMA loop, not oneDNN's matmul), fitted; None: compute_efficiency
     whole_step_compute_efficiency: float | None = Field(None, gt=0, le=1)
+    # of peak_flops in attention's query-key products, which run kernels of their own (a CPU's paged-attention C
+    # kernels: a tile of query rows against keys read in place, an exponential per score), fitted; None: the compute
+    # efficiency of the step it is in
+    attention_compute_efficiency: float | None = Field(None, gt=0, le=1)
     step_overhead_s: float = Field(ge=0)  # fitted: launches, scheduling not hidden behind the device
     per_sequence_s: float = Field(ge=0)  # fitted: host work per sequence in the step
     per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host

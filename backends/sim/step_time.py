@@ -12,7 +12,8 @@ its KV cache after the step (``context_lens``). Its time is
 (a profile's fitted ``memory_overlap`` says how much of the shorter of each max()'s two times hides behind the
 longer: all of it on a GPU, the roofline; on a CPU, whose cores wait for memory and compute partly in turn at a
 step's skinny matrix shapes, less; a step run whole computes at the profile's ``whole_step_compute_efficiency``
-where it has one: a CPU's fused step runs kernels of its own),
+where it has one: a CPU's fused step runs kernels of its own; so does attention, at ``attention_compute_efficiency``
+where a profile has one),
 and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a step run whole
 (a decode-only one replayed from CUDA graphs on a GPU; on a CPU, one the fused C step takes: up to the rows of the
 linear layers' small-step copies, prompt tokens or not). A GPU runs the launches beside the
@@ -104,6 +105,8 @@ class StepTimeModel:
         self._flops_per_s = profile.peak_flops * profile.compute_efficiency
         self._whole_flops_per_s = profile.peak_flops * (profile.whole_step_compute_efficiency
                                                         or profile.compute_efficiency)
+        self._attention_flops_per_s = (profile.peak_flops * profile.attention_compute_efficiency
+                                       if profile.attention_compute_efficiency else None)
         self._bytes_per_s = profile.bandwidth * profile.memory_efficiency
 
     def seconds(self, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> float:
@@ -127,7 +130,7 @@ class StepTimeModel:
         flops = self._whole_flops_per_s if self.profile.runs_whole(work.tokens, work.decode_only) else self._flops_per_s
         linear = self._part((c.linear_flops_per_token * work.tokens + c.lm_head_flops_per_row * work.sampled_rows) / flops,
                             c.weight_bytes / bw)
-        attention = self._part(c.attention_flops_per_query_key * work.query_keys / flops,
+        attention = self._part(c.attention_flops_per_query_key * work.query_keys / (self._attention_flops_per_s or flops),
                                kv_bytes(c, work, self.profile.kv_cache_reuse) / bw)
         allreduce = 0.0
         if c.allreduces_per_step:  # ring all-reduce: each rank sends and receives 2 (tp - 1) / tp of the payload
