@@ -27,6 +27,7 @@ MODEL_CONFIGS = {"design_12b": ROOT / "configs" / "llama-12.3b-gqa.json", "smoll
 EFFICIENCY_GRID = np.linspace(0.02, 1.0, 99)
 OVERLAP_GRID = np.linspace(0.0, 1.0, 11)  # shares of the shorter time hidden, with --fit-overlap
 LAUNCH_GRID = np.concatenate([[0.0], np.geomspace(1e-6, 1e-2, 41)])  # seconds per layer
+SPREAD_WINDOW = 21  # steps: a step's own jitter is its time against the median of the steps around it
 GRID_CELLS_AT_ONCE = 2_000_000  # (compute, memory, step) cells evaluated together: ~16 MB an array
 
 
@@ -67,7 +68,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     of their own (``whole_step_compute_efficiency``: a CPU's fused step runs other kernels than its steps run layer
     by layer). With ``fit_attention``, so does attention (``attention_compute_efficiency``: its own kernels), found by
     turns with the grid of the others. With ``spread`` (points timed one by one), the percentiles of the measured /
-    modelled ratios over their mean are kept as the profile's ``step_spread``."""
+    modelled ratios over their mean, each against the steps around it (``local_ratios``), are kept as the profile's ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     whole = np.array([base.runs_whole(p.work.tokens, p.work.decode_only) for p in points])
@@ -101,7 +102,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
                                      "per_layer_launch_s": best.launch, "memory_overlap": best.overlap})
     errors = relative_errors(fitted, points)
     if spread:  # around the model's mean: the fit sets a step's expected time, the spread only how it varies
-        quantiles = np.quantile(1 / (1 + errors), np.linspace(0, 1, SPREAD_POINTS))
+        quantiles = np.quantile(local_ratios(1 / (1 + errors)), np.linspace(0, 1, SPREAD_POINTS))
         drawn_mean = (quantiles.sum() - (quantiles[0] + quantiles[-1]) / 2) / (SPREAD_POINTS - 1)  # of spread_factor
         fitted.step_spread = [float(q) for q in quantiles / drawn_mean]
     fitted.source = ProfileSource(how=how, files=files or [], points=len(points),
@@ -188,7 +189,7 @@ class _Grid:
                           f["kv_bytes"] / (base.bandwidth * at.memory), at.overlap)  # [efficiency, point]
         (_, sums), = _residual_sums(self.y, linear + attention + f["allreduce_s"], f["launched_layers"], [at.launch],
                                     self.n, self.w2, base.launches_overlap)
-        _, _, error = _costs(sums, self.weight_sums)
+        error = np.maximum(_costs(sums, self.weight_sums)[2], 0)
         i = int(np.argmin(error))
         return float(error[i]), float(EFFICIENCY_GRID[i])
 
@@ -251,6 +252,16 @@ def _costs(sums: tuple[np.ndarray, np.ndarray, np.ndarray], weight_sums: tuple[f
         overhead, per_seq = np.where(per_seq < 0, only_overhead, overhead), np.maximum(per_seq, 0)
     error = rr - 2 * overhead * d - 2 * per_seq * e + overhead**2 * a + 2 * overhead * per_seq * b + per_seq**2 * c
     return overhead, per_seq, error
+
+
+def local_ratios(ratios: np.ndarray, window: int = SPREAD_WINDOW) -> np.ndarray:
+    """Each step's measured / modelled ratio (``ratios``, in the order the steps ran) over the median of the
+    ``window`` steps around it: its own jitter. A shared host that slows for a minute slows a stretch of steps
+    together, and a shape the model misses is missed by the run of like steps around it; neither is a step's own,
+    and drawn at random for every simulated step they would make every request's tail."""
+    half = window // 2
+    around = np.lib.stride_tricks.sliding_window_view(np.pad(ratios, half, mode="edge"), 2 * half + 1)
+    return ratios / np.median(around, axis=1)
 
 
 def relative_errors(profile: StepProfile, points: list[StepPoint]) -> np.ndarray:

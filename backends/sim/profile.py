@@ -72,10 +72,11 @@ class StepProfile(BaseModel):
     allreduce_latency_s: float = Field(10e-6, ge=0)
     block_size: int = Field(16, ge=1)  # the engine's KV block on this device (16 on CUDA, 64 on CPU)
     dtype: str = "bfloat16"  # the engine's compute dtype on this device
-    # measured / modelled time of the steps fitted on, over its mean, at every percentile, where each step was
-    # timed alone (a served trace, the native engine's steps; not a grid's medians): a simulated step's time is its
-    # modelled time times a draw from it (the host's jitter, and what the model misses of a step's shape), which
-    # leaves the expected time the fit's. None: each step takes exactly its modelled time
+    # measured / modelled time of the steps fitted on, each against the steps around it, over its mean, at every
+    # percentile, where each step was timed alone (a served trace, the native engine's steps; not a grid's medians):
+    # a simulated step's time is its modelled time times a draw from it (the host's step-to-step jitter; not its
+    # speed over minutes, nor a shape the model misses), which leaves the expected time the fit's. None: each step
+    # takes exactly its modelled time
     step_spread: list[float] | None = None
     source: ProfileSource
 
