@@ -6,8 +6,9 @@
    (the real run's prompt and output lengths and send times, replayed on the virtual clock; conversations chained
    on simulated answers with the real run's prompt growth per turn). The profile was fitted on other steps, so
    these workloads are held out: with ``--fit-trace`` and ``--fit-profile``, on the steps of served_steps.py's
-   workloads served by the same server in the same run, a share of them before each round of these (this host's
-   speed drifts by 10-20% within half an hour: a profile fitted before a check is not the machine it checks).
+   workloads (with its --long-turns) served by the same server in the same run, a share of them before each round
+   of these (this host's speed drifts by 10-20% within half an hour: a profile fitted before a check is not the
+   machine it checks).
    Round by round, every workload runs its share of its rounds. Goal: output tok/s, TTFT p50 and p99, TPOT p50
    within 15%.
    Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:

@@ -76,7 +76,8 @@ def fit(
                                                          "reads of KV blocks several of a step's sequences share that "
                                                          "the caches serve (default: a CPU's 1, a GPU's 0).")] = None,
     spread: Annotated[bool | None, typer.Option("--spread/--no-spread", help="Keep the measured steps' spread "
-                                                "around the model, for simulated steps to draw from (default: when "
+                                                "around the model, each step against the steps around it (its own "
+                                                "jitter), for simulated steps to draw from (default: when "
                                                 "each step was timed alone: --native, saved steps, step traces; not "
                                                 "a grid's medians).", show_default=False)] = None,
 ) -> None:

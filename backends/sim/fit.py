@@ -259,9 +259,11 @@ def local_ratios(ratios: np.ndarray, window: int = SPREAD_WINDOW) -> np.ndarray:
     ``window`` steps around it: its own jitter. A shared host that slows for a minute slows a stretch of steps
     together, and a shape the model misses is missed by the run of like steps around it; neither is a step's own,
     and drawn at random for every simulated step they would make every request's tail."""
-    half = window // 2
-    around = np.lib.stride_tricks.sliding_window_view(np.pad(ratios, half, mode="edge"), 2 * half + 1)
-    return ratios / np.median(around, axis=1)
+    if len(ratios) <= window:
+        return ratios / np.median(ratios)
+    medians = np.median(np.lib.stride_tricks.sliding_window_view(ratios, window), axis=1)
+    # a step near either end takes the window of the steps nearest it: the first or the last
+    return ratios / medians[np.clip(np.arange(len(ratios)) - window // 2, 0, len(medians) - 1)]
 
 
 def relative_errors(profile: StepProfile, points: list[StepPoint]) -> np.ndarray:

@@ -97,6 +97,56 @@ def test_with_fit_whole_steps_the_steps_run_whole_get_a_compute_efficiency_of_th
     assert one.whole_step_compute_efficiency is None and one.source.max_abs_error > 0.02
 
 
+def _cpu_base():
+    from backends.sim.fit import cpu_base_profile
+
+    return cpu_base_profile("cpu", {"machine": "a CPU", "peaks": {"flops": 1e12, "bandwidth": 5e10}, "block_size": 64,
+                                    "dtype": "float32", "fused_steps": True, "fused_rows": 128})
+
+
+# fresh prompts, turns of 64 and 200 tokens over cached histories, decodes: each part of the model shows
+TURNS = ([([n], [n]) for n in (64, 128, 256, 512, 2048)] + [([q], [q + c]) for q in (64, 200) for c in (1000, 4000)]
+         + [([1] * n, [c] * n) for n in (1, 4, 8, 16, 32, 64, 128) for c in (256, 1024)])
+
+
+@pytest.mark.parametrize("attention", [0.3, 0.9])  # below and above the compute efficiencies
+def test_with_fit_attention_attention_gets_a_compute_efficiency_of_its_own(attention, monkeypatch):
+    """A CPU whose attention kernels compute at their own share of the peak, beside a fused step's and the launched
+    steps' shares: the fit finds all three, by turns with the grid; with attention at the steps' efficiency, turns
+    over long cached histories come out wrong."""
+    monkeypatch.setattr("backends.sim.fit.EFFICIENCY_GRID", np.linspace(0.1, 1.0, 10))  # tenths: a quick grid
+    base = _cpu_base()
+    truth = base.model_copy(update={"compute_efficiency": 0.7, "whole_step_compute_efficiency": 0.5,
+                                    "attention_compute_efficiency": attention, "memory_efficiency": 0.8,
+                                    "memory_overlap": 0.5, "step_overhead_s": 0.002, "per_sequence_s": 1e-5,
+                                    "per_layer_launch_s": 1e-3})
+    cost = model_cost("smollm2")
+    points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w))
+              for w in (StepWork.of(q, c, len(q)) for q, c in TURNS)]
+    fitted = fit_profile(points, base, fit_overlap=True, fit_whole_steps=True, fit_attention=True)
+    assert fitted.attention_compute_efficiency == pytest.approx(attention)
+    assert (fitted.compute_efficiency, fitted.whole_step_compute_efficiency) == (pytest.approx(0.7), pytest.approx(0.5))
+    assert fitted.source.max_abs_error < 1e-3
+    without = fit_profile(points, base, fit_overlap=True, fit_whole_steps=True)
+    assert without.attention_compute_efficiency is None and without.source.max_abs_error > 0.02
+
+
+def test_attention_the_steps_cannot_tell_apart_stays_at_the_steps_compute_efficiency(monkeypatch):
+    """Steps made with attention at their own efficiency, and steps with too little attention to show another:
+    the fit leaves attention unset (None: the step's efficiency) rather than take any efficiency the error is
+    flat over."""
+    monkeypatch.setattr("backends.sim.fit.EFFICIENCY_GRID", np.linspace(0.1, 1.0, 10))
+    base = _cpu_base()
+    truth = base.model_copy(update={"compute_efficiency": 0.7, "whole_step_compute_efficiency": 0.5,
+                                    "memory_efficiency": 0.8, "step_overhead_s": 0.002, "per_layer_launch_s": 1e-3})
+    cost = model_cost("smollm2")
+    for shapes in (TURNS, [([n], [n]) for n in (16, 32, 200, 300)] + [([1] * n, [64] * n) for n in (1, 8, 64)]):
+        points = [StepPoint(cost, w, StepTimeModel(truth, cost).seconds_of(w))
+                  for w in (StepWork.of(q, c, len(q)) for q, c in shapes)]
+        fitted = fit_profile(points, base, fit_whole_steps=True, fit_attention=True)
+        assert fitted.attention_compute_efficiency is None and fitted.source.max_abs_error < 1e-3
+
+
 def test_a_whole_step_efficiency_needs_steps_run_whole_and_others_and_is_not_taken_from_elsewhere():
     from backends.sim.fit import cpu_base_profile
 
@@ -107,8 +157,9 @@ def test_a_whole_step_efficiency_needs_steps_run_whole_and_others_and_is_not_tak
     with pytest.raises(ValueError, match="3 of these 3 ran whole"):
         fit_profile(decodes, base, fit_whole_steps=True)
     prompts = decodes + [StepPoint(cost, StepWork.of([512], [512], 1), 0.2)]
-    with pytest.raises(ValueError, match="either fitted"):
-        fit_profile(prompts, base, compute_from=base, fit_whole_steps=True)
+    for own in ({"fit_whole_steps": True}, {"fit_attention": True}):
+        with pytest.raises(ValueError, match="either fitted"):
+            fit_profile(prompts, base, compute_from=base, **own)
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.3, 1.0])  # their sum, part hidden, the roofline
@@ -144,6 +195,23 @@ def test_with_spread_the_fit_keeps_the_percentiles_of_measured_over_modelled_aro
     draws = [fitted.spread_factor(u) for u in np.linspace(0, 1, 20_001)]
     assert sum(draws) / len(draws) == pytest.approx(1.0, abs=1e-4)
     assert fit_profile(points, _gpu()).step_spread is None  # not asked: each step takes the model's time
+
+
+def test_the_spread_is_each_steps_own_jitter_not_a_stretch_of_slow_steps():
+    """A shared host that runs a stretch of 100 steps at 1.5 times the model, the rest at it: those steps ran
+    slow together (the host's speed that minute), not each on its own, so the spread stays narrow. The same steps
+    slow one in ten, scattered, widen its top tenth."""
+    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002)
+    cost = model_cost("smollm2")
+    works = [StepWork.of([1] * n, [c] * n, n) for n in (1, 8, 16, 64) for c in (256, 512, 2048)] * 40
+    model = [StepTimeModel(truth, cost).seconds_of(w) for w in works]
+    stretch = [StepPoint(cost, w, t * (1.5 if 200 <= i < 300 else 1.0)) for i, (w, t) in enumerate(zip(works, model))]
+    scattered = [StepPoint(cost, w, t * (1.5 if i % 10 == 0 else 1.0)) for i, (w, t) in enumerate(zip(works, model))]
+    calm = fit_profile(stretch, _gpu(), spread=True).step_spread
+    jittery = fit_profile(scattered, _gpu(), spread=True).step_spread
+    assert calm is not None and jittery is not None
+    assert calm[99] / calm[1] < 1.05  # every step near the median of the steps around it
+    assert jittery[95] / jittery[50] == pytest.approx(1.5, rel=0.03)
 
 
 @pytest.mark.parametrize("spread", [[1.0] * 100, [1.0] * 100 + [0.5], [0.0] * 101])

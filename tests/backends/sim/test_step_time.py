@@ -130,6 +130,22 @@ def test_a_step_run_whole_computes_at_the_profiles_whole_step_efficiency_and_a_s
     assert own.parts(launched) == plain.parts(launched)
 
 
+def test_attention_computes_at_the_profiles_attention_efficiency_in_every_step_and_the_linear_layers_do_not():
+    """Attention runs kernels of its own (a CPU's paged-attention C kernels): with an attention efficiency, a chunk
+    over a cached history spends its query-key FLOPs at that efficiency, whether its step ran whole or launched
+    layer by layer; its linear layers keep theirs. Without one, attention computes at its step's efficiency."""
+    cost = StepCost.of(TINY, 2, 2)
+    fast_memory = dict(bandwidth=1e15, replays_decode=False, whole_step_tokens=16, whole_step_compute_efficiency=0.4)
+    plain = StepTimeModel(profile(**fast_memory), cost)
+    own = StepTimeModel(profile(**fast_memory, attention_compute_efficiency=0.1), cost)
+    for query in (8, 64):  # run whole (at 0.4), launched (at 0.5)
+        work = _work(plain, [query], [4096])
+        step_efficiency = 0.4 if query <= 16 else 0.5
+        assert plain.parts(work)[1] == pytest.approx(ATTENTION_FLOPS_PER_PAIR * work.query_keys / (1e9 * step_efficiency))
+        assert own.parts(work)[1] == pytest.approx(ATTENTION_FLOPS_PER_PAIR * work.query_keys / (1e9 * 0.1))
+        assert own.parts(work)[0] == plain.parts(work)[0]
+
+
 @pytest.mark.parametrize("reuse", [1.0, 0.5, 0.0])
 def test_the_caches_serve_the_profiles_share_of_reads_of_kv_blocks_several_sequences_share(reuse):
     """Eight decodes whose contexts of 300 start with the same 256 cached tokens: with every shared read served by
