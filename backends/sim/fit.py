@@ -1,6 +1,7 @@
 """Fitting a device profile on measured steps: the efficiencies and per-step costs that make the step-time model
-(``step_time.py``) reproduce them, by a grid over the two efficiencies and least squares for the two costs at
-each, minimising relative error. Deterministic: the same points give the same profile.
+(``step_time.py``) reproduce them, by a grid over the efficiencies and least squares for the two costs at each,
+minimising relative error (attention's own efficiency, where asked, by turns with the grid). Deterministic: the
+same points give the same profile.
 
 Points come from the GPU checks' committed results (``gpu_check_*.json``'s step grids, ``cuda_engine_*.json``)
 or from the native engine measured here (``measure_native``): every step of a few bursts, timed as the engine
@@ -29,6 +30,8 @@ OVERLAP_GRID = np.linspace(0.0, 1.0, 11)  # shares of the shorter time hidden, w
 LAUNCH_GRID = np.concatenate([[0.0], np.geomspace(1e-6, 1e-2, 41)])  # seconds per layer
 SPREAD_WINDOW = 21  # steps: a step's own jitter is its time against the median of the steps around it
 GRID_CELLS_AT_ONCE = 2_000_000  # (compute, memory, step) cells evaluated together: ~16 MB an array
+ATTENTION_ROUNDS = 6  # turns of the attention efficiency's search and the grid's, at most (two or three settle it)
+ATTENTION_GAIN = 1e-3  # the least relative fall in error that moves attention off the compute efficiency
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,6 @@ class StepPoint:
     cost: StepCost
     work: StepWork
     seconds: float
-
-
-ATTENTION_ROUNDS = 6  # turns of the attention efficiency's search and the grid's, at most (two or three settle it)
-ATTENTION_GAIN = 1e-3  # the least relative fall in error that moves attention off the compute efficiency
 
 
 class _GridFit(NamedTuple):
@@ -68,7 +67,8 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     of their own (``whole_step_compute_efficiency``: a CPU's fused step runs other kernels than its steps run layer
     by layer). With ``fit_attention``, so does attention (``attention_compute_efficiency``: its own kernels), found by
     turns with the grid of the others. With ``spread`` (points timed one by one), the percentiles of the measured /
-    modelled ratios over their mean, each against the steps around it (``local_ratios``), are kept as the profile's ``step_spread``."""
+    modelled ratios over their mean, each against the steps around it (``local_ratios``), are kept as the profile's
+    ``step_spread``."""
     if len(points) < 3:
         raise ValueError(f"a fit needs at least 3 measured steps, got {len(points)}")
     whole = np.array([base.runs_whole(p.work.tokens, p.work.decode_only) for p in points])
@@ -182,7 +182,7 @@ class _Grid:
         """(error, efficiency) of the best attention efficiency of the grid with the rest at ``at``'s cell (the
         per-step costs refitted at each)."""
         base, f = self.base, self.f
-        compute = np.where(self.whole & ~np.isnan(at.whole), at.whole, at.compute)  # each step's linear layers'
+        compute = np.where(self.whole & ~np.isnan(at.whole), at.whole, at.compute)  # of each step's linear layers
         linear = _part(f["linear_flops"] / (base.peak_flops * compute), f["weight_bytes"] / (base.bandwidth * at.memory),
                        at.overlap)
         attention = _part(f["attention_flops"] / (base.peak_flops * EFFICIENCY_GRID[:, None]),
