@@ -36,7 +36,7 @@ WORKLOADS = {
     "burst_10x320_64": ["--requests", "10", "--input-len", "320", "--output-len", "64"],
     "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
     # prompts a little over the fused step's 128 rows arriving beside decodes: steps run layer by layer with few prompt
-    # tokens, whose time is mostly the launches' (the bursts' steps launched hold hundreds of prompt tokens or more)
+    # tokens, of whose time the launches are a large share (the bursts' steps launched hold hundreds of prompt tokens)
     "poisson_short": ["--requests", "40", "--input-len", "160", "--output-len", "40", "--rate", "1.2", "--schedule",
                       "poisson"],
     "multi_turn": ["--endpoint", "chat", "--users", "3", "--turns", "3", "--system-prompt-len", "128", "--question-len",
