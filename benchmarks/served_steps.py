@@ -34,6 +34,9 @@ WORKLOADS = {
     # decodes of about ten sequences, between the bursts' 4 and 16, which a fit without them interpolates (8 users'
     # conversations decode so)
     "burst_10x320_64": ["--requests", "10", "--input-len", "320", "--output-len", "64"],
+    # steps of 2,048 fresh prompt tokens, the paper's burst's and the mixed burst's: most of the bursts above fill a
+    # step or two so, and a fit without more of them sets the prefill's efficiency on smaller steps
+    "burst_16x768_24": ["--requests", "16", "--input-len", "768", "--output-len", "24"],
     "poisson": ["--requests", "40", "--input-len", "256", "--output-len", "24", "--rate", "0.5", "--schedule", "poisson"],
     # prompts a little over the fused step's 128 rows arriving beside decodes: steps run layer by layer with few prompt
     # tokens, of whose time the launches are a large share (the bursts' steps launched hold hundreds of prompt tokens)
