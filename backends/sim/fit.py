@@ -10,6 +10,7 @@ runs it, with the batch it ran."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -123,8 +124,9 @@ class _Grid:
     whole: np.ndarray
     base: StepProfile
 
-    @property
+    @functools.cached_property
     def weight_sums(self) -> tuple[float, float, float]:
+        """The weights' sums the least squares of ``_costs`` takes: once per fit, not per grid cell."""
         return self.w2.sum(), (self.w2 * self.n).sum(), (self.w2 * self.n * self.n).sum()
 
     def best(self, computes: np.ndarray, launches: np.ndarray, overlaps: np.ndarray, fit_whole_steps: bool,
