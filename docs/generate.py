@@ -411,6 +411,28 @@ def _fidelity(name: str, data: dict) -> list[str]:
     return [*_table(name, data, header, lines), f"Simulated / real, same requests: {against}.", ""]
 
 
+def _fidelity_pooled(name: str, data: dict) -> list[str]:
+    if _script(data) != "benchmarks/sim_fidelity_pooled.py":
+        return []
+    lines = [f"| {workload} | {metric} | {len(row['rounds'])} | {row['median']:.2f}x | {row['p10']:.2f}-{row['p90']:.2f} | "
+             + ", ".join(f"{ratio:.2f}" for ratio in row["checks"].values()) + " |"
+             for workload, metrics in data["pooled"].items() for metric, row in metrics.items()]
+    header = ["Workload", "Figure", "Rounds", "Median", "p10-p90", "Each check's own"]
+    return [*_table(name, data, header, lines), f"Simulated / real, every round of {len(data['checks'])} checks "
+            f"pooled ({', '.join(data['checks'])}).", ""]
+
+
+def _step_shapes(name: str, data: dict) -> list[str]:
+    if _script(data) != "benchmarks/step_shapes.py":
+        return []
+    lines = [f"| {shape} | " + " | ".join(f"{r['seconds']:.2f} s ({r['ratio']:.2f}x)" for r in row["rounds"])
+             + f" | {row['seconds']:.2f} s ({row['ratio']:.2f}x) |" for shape, row in data["shapes"].items()]
+    rounds = len(next(iter(data["shapes"].values()))["rounds"])
+    header = ["Prompts x length", *(f"Round {r}" for r in range(rounds)), "Median"]
+    return [*_table(name, data, header, lines), f"Steps of {data['step_tokens']:,} fresh tokens served, median "
+            f"seconds per round (measured / modelled on {Path(data['profile']).stem}).", ""]
+
+
 def _pipeline(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/pipeline_stages.py":
         return []
@@ -426,7 +448,7 @@ RENDERERS: list[tuple[str, tuple[Renderer, ...]]] = [
     ("One request at a time", (_single_stream,)),
     ("GPU runs", (_text_table("summary", ""), _cuda_engine)),
     ("Routing across replicas", (_text_table("table", "benchmarks/fleet_routing.py"),)),
-    ("Simulator fidelity", (_fidelity,)),
+    ("Simulator fidelity", (_fidelity, _fidelity_pooled, _step_shapes)),
     ("Pipeline and tensor parallelism on CPU", (_pipeline,)),
 ]
 
