@@ -67,8 +67,10 @@ def by_shape(steps: dict, marks: list[tuple[str, int, int, int]], profile: StepP
     points = fitting.points_from_steps(steps)
     rows: dict = {name: {"rounds": []} for name in SHAPES}
     for name, r, begin, end in marks:
-        full = [p for p in points[begin:end]
-                if not p.work.decode_only and p.work.tokens == STEP_TOKENS]
+        full = [p for p in points[begin:end] if not p.work.decode_only and p.work.tokens == STEP_TOKENS]
+        if not full:
+            raise SystemExit(f"{name}, round {r}: no step of {STEP_TOKENS} tokens (a max_num_batched_tokens other "
+                             "than the CPU default's?)")
         model = StepTimeModel(profile, full[0].cost)
         rows[name]["rounds"].append({"round": r, "steps": len(full),
                                      "seconds": statistics.median(p.seconds for p in full),
