@@ -7,8 +7,8 @@
    on simulated answers with the real run's prompt growth per turn). The profile was fitted on other steps, so
    these workloads are held out: with ``--fit-trace`` and ``--fit-profile``, on the steps of served_steps.py's
    workloads (with its --long-turns) served by the same server in the same run, a share of them before each round
-   of these (this host's speed drifts by 10-20% within half an hour: a profile fitted before a check is not the
-   machine it checks).
+   of these and its bursts of 2,048-token steps (``FIT_EVERY_ROUND``) in every round (this host's speed drifts by
+   10-20% within half an hour: a profile fitted before a check is not the machine it checks).
    Round by round, every workload runs its share of its rounds. Goal: output tok/s, TTFT p50 and p99, TPOT p50
    within 15%.
    Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:
@@ -64,6 +64,10 @@ ROUNDS_FACTOR = {"multi_turn": 3}
 # attention's own efficiency
 FIT_WORKLOADS = {**SERVED_STEPS, "multi_turn_long": LONG_TURNS}
 FIT_SEED = 1000  # the fit's prompts: none of the check's (seeds 0, 1, ...), whose prefixes the cache would keep
+# served every round, last before the check's bursts, not once: steps of 2,048 fresh tokens, which set the bursts'
+# TTFT. This host's prompt speed moves by 20% within minutes (step_shapes_xeon.json), and the check's bursts sample it
+# every round with about 15 such steps, where the fit share's others hold 1-5 a round.
+FIT_EVERY_ROUND = ["burst_16x768_24", "burst_8x1024_16"]
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")
 DESIGN = "configs/llama-12.3b-gqa.json"
 ROUTING = "least_outstanding"  # served and simulated fleets alike
@@ -200,7 +204,8 @@ def real_runs(workloads: list[str], out: Path, rounds: int, replay: bool = False
             url = serve_model(stack, [{"kind": "native", "name": "native", **traced}], ROUTING)
         for r in range(rounds):
             if url is not None and fit_trace is not None:
-                fit_steps += serve_fit_share(url, out, list(FIT_WORKLOADS)[r::rounds], server_trace)
+                share = [name for name in FIT_WORKLOADS if name not in FIT_EVERY_ROUND][r::rounds]
+                fit_steps += serve_fit_share(url, out, share + FIT_EVERY_ROUND, server_trace, r)
             for name in workloads:
                 factor = ROUNDS_FACTOR.get(name, 1)
                 seeds = range(r * factor, min((r + 1) * factor, last[name]))
@@ -223,14 +228,14 @@ def real_run(url: str | None, out: Path, name: str, seed: int) -> tuple[dict, li
     return result, requests
 
 
-def serve_fit_share(url: str, out: Path, names: list[str], server_trace: Path) -> list[str]:
-    """The fit's workloads ``names`` (served_steps.py's: other shapes, seeds) served at ``url``; the lines they
-    added to the server's trace (flushed by each run's end, where the engine idles)."""
+def serve_fit_share(url: str, out: Path, names: list[str], server_trace: Path, round_: int) -> list[str]:
+    """The fit's workloads ``names`` (served_steps.py's: other shapes, seeds) served at ``url`` in round ``round_``
+    (its own prompts); the lines they added to the server's trace (flushed by each run's end, where the engine idles)."""
     steps = []
     for name in names:
         before = len(trace_lines(server_trace))
-        run = out / f"fit-{name}"
-        loadtest(f"{url}#{MODEL}", run, *FIT_WORKLOADS[name], "--seed", str(FIT_SEED), "--warmup", "1",
+        run = out / f"fit-{name}-{round_}"
+        loadtest(f"{url}#{MODEL}", run, *FIT_WORKLOADS[name], "--seed", str(FIT_SEED + round_), "--warmup", "1",
                  log=run.with_suffix(".log"))
         steps += trace_lines(server_trace)[before:]
     return steps
