@@ -31,10 +31,12 @@ def pooled(checks: dict[str, dict]) -> dict:
     10th and 90th percentiles, and each check's own figure."""
     rows: dict = {}
     for name, result in checks.items():
+        if "fidelity" not in result:
+            raise SystemExit(f"{name}: no fidelity part on this CPU (a --gpu or agreement-only run?)")
         for workload, kinds in result["fidelity"].items():
             for metric, figure in kinds[KIND].items():
                 row = rows.setdefault(workload, {}).setdefault(metric, {"rounds": [], "checks": {}})
-                row["rounds"] += figure["rounds"]
+                row["rounds"] += [ratio for ratio in figure["rounds"] if ratio is not None]  # None: a real 0
                 row["checks"][name] = figure["ratio"]
     for metrics in rows.values():
         for row in metrics.values():
