@@ -12,7 +12,9 @@
    Round by round, every workload runs its share of its rounds. Goal: output tok/s, TTFT p50 and p99, TPOT p50
    within 15%.
    Both are compared with the front end this machine's served path adds (HTTP, the gateway, tokenizing:
-   calibrated once on a lone, unloaded simulated replica served here, ``frontend_s``) and with an ideal one.
+   calibrated once on a lone, unloaded simulated replica served here, ``frontend_s``; one request at a time, on
+   the engine's two cores, so a step waits out the front end's queued work: ``VirtualFleet``'s
+   ``frontend_shares_host``) and with an ideal one.
    With ``--gpu FILE`` (a result of ``gpu_check.py``'s loadtest part, e.g. benchmarks/results/gpu_loadtest_h200.json),
    the same comparison against the 12.3B model served on a GPU: each stored run and capacity probe replayed on that
    GPU's profile (fitted on the step grid of ``gpu_check.py``'s steps part, so these are held out too), and the
@@ -118,7 +120,7 @@ def cached_tokens(out: Path) -> list[int]:
     return [r["cached_tokens"] or 0 for r in rows]
 
 
-def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0,
+def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.0, shares_host: bool = False,
              routing: str = ROUTING, seed: int = 0) -> dict:
     from backends.native.config import EngineConfig
     from backends.sim.cli import routing_config
@@ -126,7 +128,7 @@ def simulate(engine: dict, replicas: int, requests: list, frontend_s: float = 0.
 
     config = EngineConfig(**engine)
     fleet = VirtualFleet(config, replicas, routing_config(routing), engine_tokenizer(config), seed=seed,
-                         frontend_s=frontend_s)
+                         frontend_s=frontend_s, frontend_shares_host=shares_host)
     return fleet.run(requests).summary
 
 
@@ -179,7 +181,7 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
             pairs: dict[str, list] = {"with_frontend": [], "ideal_frontend": []}
             for seed, (result, requests) in enumerate(named_runs):
                 engine, drawn = {"simulate": {"profile": profile}}, seed + sim_seed
-                pairs["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, seed=drawn)))
+                pairs["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, True, seed=drawn)))
                 pairs["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
             rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs.items()}
             print(name, profile, _ratios(rows[profile][name]), flush=True)

@@ -433,6 +433,19 @@ def _step_shapes(name: str, data: dict) -> list[str]:
             f"seconds per round (measured / modelled on {Path(data['profile']).stem}).", ""]
 
 
+def _turn_steps(name: str, data: dict) -> list[str]:
+    if _script(data) != "benchmarks/turn_steps.py":
+        return []
+    groups = list(next(iter(data["checks"].values()))["groups"])
+    lines = [f"| {trace} | " + " | ".join("-" if row["median_ratio"] is None else
+                                          f"{row['median_ratio']:.2f}x ({row['steps']})" for row in check["groups"].values())
+             + " |" for trace, check in data["checks"].items()]
+    header = ["Served trace", *(f"Next step admits {group}" for group in groups)]
+    return [*_table(name, data, header, lines), f"A conversation turn's first step run alone (up to "
+            f"{data['turn_tokens']} new tokens over a cached prefix), measured / modelled on its check's profile "
+            "(steps), by how many requests reached the engine while it ran.", ""]
+
+
 def _pipeline(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/pipeline_stages.py":
         return []
@@ -448,7 +461,7 @@ RENDERERS: list[tuple[str, tuple[Renderer, ...]]] = [
     ("One request at a time", (_single_stream,)),
     ("GPU runs", (_text_table("summary", ""), _cuda_engine)),
     ("Routing across replicas", (_text_table("table", "benchmarks/fleet_routing.py"),)),
-    ("Simulator fidelity", (_fidelity, _fidelity_pooled, _step_shapes)),
+    ("Simulator fidelity", (_fidelity, _fidelity_pooled, _step_shapes, _turn_steps)),
     ("Pipeline and tensor parallelism on CPU", (_pipeline,)),
 ]
 

@@ -3,10 +3,11 @@
 the load tester's metrics over what a client would have seen; no HTTP, no threads, so hours of a fleet's
 traffic take what their scheduling work takes on the host.
 
-Events are request arrivals and step ends. A replica that has work starts a step at once: the engine schedules
-it and the runner gives its modelled seconds; the step's tokens are delivered when it ends, and requests that
-arrived meanwhile join the next step, as on a device that runs one step at a time. Times are seconds since
-the first arrival.
+Events are request sends, arrivals and step ends. A sent request passes the front end (HTTP, the gateway,
+tokenizing), one request at a time as an asyncio front end in one process serves them, then arrives at its
+replica. A replica that has work starts a step at once: the engine schedules it and the runner gives its modelled
+seconds; the step's tokens are delivered when it ends, and requests that arrived meanwhile join the next step, as
+on a device that runs one step at a time. Times are seconds since the first arrival.
 """
 
 from __future__ import annotations
@@ -94,15 +95,18 @@ class FleetResult:
 
 class VirtualFleet:
     """``replicas`` simulated engines of ``engine``'s configuration (its ``simulate`` profile, not sleeping),
-    routed by ``routing`` (a policy config of the gateway's). ``frontend_s``: the time from a client's send to
-    its engine's queue (HTTP, the gateway, tokenizing), 0 for an ideal front end; it delays every token a client
-    sees by as much. ``kv_events``: a cache-aware policy's index follows the engines' KV events (precise), else
+    routed by ``routing`` (a policy config of the gateway's). ``frontend_s``: the front end's time per request from
+    a client's send to its engine's queue (HTTP, the gateway, tokenizing), one request at a time; 0 for an ideal
+    front end. With ``frontend_shares_host`` (a CPU engine on the front end's host), a step waits out the front
+    end's work queued when it starts: the engine's threads meet at every layer, and one whose core the front end
+    takes holds up the others. ``kv_events``: a cache-aware policy's index follows the engines' KV events (precise), else
     only its own routing decisions (approximate). ``seed``: the policies' tie-breaks, re-rendered histories' tokens,
     and (with the engine's own ``simulate.seed``) each replica's draws from its profile's step spread."""
 
     def __init__(self, engine: EngineConfig, replicas: int, routing: PolicyConfig, tokenizer: Tokenizer | None = None,
-                 max_concurrency: int = 1024, seed: int = 0, frontend_s: float = 0.0, kv_events: bool = True) -> None:
-        self.frontend_s, self.kv_events = frontend_s, kv_events
+                 max_concurrency: int = 1024, seed: int = 0, frontend_s: float = 0.0, frontend_shares_host: bool = False,
+                 kv_events: bool = True) -> None:
+        self.frontend_s, self.frontend_shares_host, self.kv_events = frontend_s, frontend_shares_host, kv_events
         if engine.simulate is None:
             raise ValueError("a virtual fleet runs simulated replicas: the engine config needs `simulate`")
         configs = [engine.model_copy(update={"warmup": False, "simulate": engine.simulate.model_copy(update={
@@ -125,9 +129,21 @@ class VirtualFleet:
         flights: dict[str, _Flight] = {}
         records: list[RequestRecord] = []
         steps = 0
+        frontend_free = 0.0  # when the front end has passed every request sent so far
 
-        def push(at: float, kind: str, payload: Any) -> None:
-            heapq.heappush(events, (at, next(order), kind, payload))
+        def push(at: float, kind: str, payload: Any, key: int | None = None) -> None:
+            heapq.heappush(events, (at, next(order) if key is None else key, kind, payload))
+
+        def send(at: float, request: SimRequest, key: int | None = None) -> None:
+            """``request`` into the front end's queue at ``at``: now, or as an event when the clock gets there. Its
+            arrival keeps the send's place (``key``) among events at the same time: with an ideal front end, a
+            request sent at the end of a step joins the step that starts then."""
+            nonlocal frontend_free
+            if at > clock:
+                push(at, "send", request)
+                return
+            frontend_free = max(at, frontend_free) + self.frontend_s
+            push(frontend_free, "arrive", request, key)
 
         def start_step(replica: _Replica, now: float) -> None:
             nonlocal steps
@@ -142,12 +158,18 @@ class VirtualFleet:
                 return
             steps += 1
             replica.busy = True
-            push(now + cast(SimulatedRunner, replica.engine.runner).last_step_s, "step", (replica, outputs, events_now))
+            seconds = cast(SimulatedRunner, replica.engine.runner).last_step_s
+            if self.frontend_shares_host:
+                seconds += max(frontend_free - now, 0.0)
+            push(now + seconds, "step", (replica, outputs, events_now))
 
         for request in requests:
-            push(request.at_s + self.frontend_s, "arrive", request)
+            push(request.at_s, "send", request)
         while events:
-            clock, _, kind, payload = heapq.heappop(events)
+            clock, key, kind, payload = heapq.heappop(events)
+            if kind == "send":
+                send(clock, payload, key)
+                continue
             if kind == "arrive":
                 request = payload
                 record, flight = self._dispatch(request, clock, len(records))
@@ -164,7 +186,7 @@ class VirtualFleet:
                 flight.record.chunk_times.append(clock)
                 flight.output.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
-                    self._finish(flight, chunk, clock, push)
+                    self._finish(flight, chunk, clock, send)
                     del flights[request_id]
             start_step(replica, clock)
         return FleetResult(summarize(records, clock - min((r.target_send for r in records), default=0.0)),
@@ -195,7 +217,7 @@ class VirtualFleet:
         replica.engine.add_request(str(index), request.prompt, params)
         return record, _Flight(request, record, replica, routed)
 
-    def _finish(self, flight: _Flight, chunk, now: float, push) -> None:
+    def _finish(self, flight: _Flight, chunk, now: float, send) -> None:
         record, deployment = flight.record, flight.replica.deployment
         record.end, record.ok = now, True
         record.output_tokens = len(flight.output)
@@ -208,8 +230,8 @@ class VirtualFleet:
             if turn.kept is not None and turn.kept < len(answered):
                 answered = answered[:turn.kept] + _tokens(self._rng, len(answered) - turn.kept)
             sent = now + turn.think_s
-            push(sent + self.frontend_s, "arrive", SimRequest(sent, [*answered, *turn.question], turn.max_tokens,
-                                                              flight.request.session, turn.next_turn))
+            send(sent, SimRequest(sent, [*answered, *turn.question], turn.max_tokens, flight.request.session,
+                                  turn.next_turn))
 
     def _apply_kv_events(self, replica: _Replica, kv_events: list) -> None:
         index = getattr(self.policy, "index", None)  # a cache-aware policy's prefix index, kept precise

@@ -48,6 +48,37 @@ def test_a_replica_runs_one_step_at_a_time_and_tokens_arrive_when_their_step_end
     assert second.chunk_times == pytest.approx([0.2, 0.3]) and second.ttft == pytest.approx(0.15)
 
 
+def _front_end_run(tmp_path, tokenizer, requests: list[SimRequest], **front_end) -> list:
+    """``requests`` on one replica whose every step takes 0.1 s, behind a front end of ``front_end``."""
+    config = EngineConfig(model_path=DESIGN, simulate=SimulationConfig(profile=str(constant_step_profile(tmp_path))))
+    return VirtualFleet(config, 1, RoundRobinConfig(), tokenizer, **front_end).run(requests).records
+
+
+def test_the_front_end_passes_one_request_at_a_time(tmp_path, smollm2_tokenizer):
+    """Three requests sent together behind a front end of 0.5 s a request reach the engine at 0.5, 1.0 and
+    1.5 s (an asyncio front end in one process): each finds the engine idle and runs alone."""
+    burst = [SimRequest(0.0, list(range(1000 * r, 1000 * r + 10)), 2) for r in (1, 2, 3)]
+    records = _front_end_run(tmp_path, smollm2_tokenizer, burst, frontend_s=0.5)
+    assert [r.chunk_times for r in records] == [pytest.approx(t) for t in ([0.6, 0.7], [1.1, 1.2], [1.6, 1.7])]
+
+
+def test_a_step_on_the_front_ends_host_waits_out_the_front_ends_queued_work(tmp_path, smollm2_tokenizer):
+    """With the front end on the engine's cores (a CPU engine), the first request's step starts at 0.5 s with two
+    requests still queued in the front end until 1.5 s, and takes 0.1 s after that; the two join the next step."""
+    burst = [SimRequest(0.0, list(range(1000 * r, 1000 * r + 10)), 2) for r in (1, 2, 3)]
+    records = _front_end_run(tmp_path, smollm2_tokenizer, burst, frontend_s=0.5, frontend_shares_host=True)
+    assert [r.chunk_times for r in records] == [pytest.approx(t) for t in ([1.6, 1.7], [1.7, 1.8], [1.7, 1.8])]
+
+
+def test_a_turn_sent_after_its_think_time_passes_the_front_end_too(tmp_path, smollm2_tokenizer):
+    """The answer ends at 0.7 s; the next turn is sent 1 s later and reaches the engine 0.5 s after that."""
+    (conversation,) = conversation_workload(users=1, turns=2, system_len=8, question_len=4, output_len=2,
+                                            arrivals=[0.0], think_s=1.0)
+    first, second = _front_end_run(tmp_path, smollm2_tokenizer, [conversation], frontend_s=0.5)
+    assert first.chunk_times == pytest.approx([0.6, 0.7])
+    assert second.target_send == pytest.approx(1.7) and second.chunk_times == pytest.approx([2.3, 2.4])
+
+
 EVEN_SPREAD = [0.5 + i / 100 for i in range(101)]  # measured / modelled spread evenly over 0.5-1.5
 
 

@@ -1,0 +1,72 @@
+"""Conversation turns' first steps in served runs, by what passed the front end while they ran.
+
+Multi-turn's TTFT in a fidelity check (sim_fidelity.py) rests on turn steps: one user's question of a few dozen
+tokens over its cached history, run alone because its answer ended a step before the other users' (its first
+turn reached the engine first). While it runs, the other users' next turns pass the front end (HTTP, the gateway,
+tokenizing) on the same two cores. This reads the served step traces of fidelity checks (their runs'
+``steps.jsonl``, the check's and its fit share's steps), takes every single-sequence prompt step of up to 128 new
+tokens over a cached prefix, and splits them by how many prompts the next step admits (the requests that reached
+the engine while this one ran): measured over modelled on each check's own profile, per group.
+
+    python benchmarks/turn_steps.py \\
+        --check benchmarks/results/sim_served_trace_xeon_front_end.jsonl.gz \\
+            benchmarks/results/sim_profile_cpu_xeon_front_end.json ... \\
+        --save benchmarks/results/turn_steps_xeon.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
+from peers import run_record
+
+from backends.sim import fit as fitting
+from backends.sim.profile import StepProfile
+from backends.sim.step_time import StepTimeModel
+
+TURN_TOKENS = 128  # a turn's question and template: the steps a CPU runs whole (fused_rows)
+GROUPS = {"none": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # prompts the next step admits
+
+
+def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
+    """Measured / modelled seconds of ``trace``'s turn steps (one sequence, up to ``TURN_TOKENS`` new tokens over a
+    cached prefix), by how many prompts the step after each admits (``GROUPS``)."""
+    steps, points = trace["steps"], fitting.points_from_steps(trace)
+    ratios: dict[str, list[float]] = {group: [] for group in GROUPS}
+    for (query_lens, context_lens, *_), point, (next_query_lens, *_) in zip(steps, points, steps[1:]):
+        if len(query_lens) != 1 or not 1 < query_lens[0] <= min(TURN_TOKENS, context_lens[0] - 1):
+            continue
+        admitted = sum(1 for n in next_query_lens if n > 1)
+        group = next(g for g, counts in GROUPS.items() if admitted in counts)
+        ratios[group].append(point.seconds / StepTimeModel(profile, point.cost).seconds_of(point.work))
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", nargs=2, action="append", required=True, metavar=("TRACE", "PROFILE"),
+                    help="a fidelity check's served step trace (its runs' steps.jsonl, or gzipped) and its profile")
+    ap.add_argument("--save", type=Path)
+    args = ap.parse_args()
+
+    checks = {}
+    for trace_path, profile_path in args.check:
+        profile = StepProfile.model_validate_json(Path(profile_path).read_text())
+        ratios = turn_steps(fitting.load_steps(trace_path), profile)
+        checks[Path(trace_path).name] = {"profile": profile_path, "groups": {
+            group: {"steps": len(r), "median_ratio": statistics.median(r) if r else None} for group, r in ratios.items()}}
+        print(Path(trace_path).name, "  ".join(
+            f"{group}: {row['median_ratio']:.2f} ({row['steps']})" for group, row in checks[Path(trace_path).name]
+            ["groups"].items() if row["steps"]), flush=True)
+    if args.save:
+        record = run_record() | {"turn_tokens": TURN_TOKENS, "checks": checks}
+        args.save.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
