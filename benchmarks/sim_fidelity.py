@@ -181,7 +181,8 @@ def fidelity(profiles: list[str], workloads: list[str], frontend_s: float, out: 
             pairs: dict[str, list] = {"with_frontend": [], "ideal_frontend": []}
             for seed, (result, requests) in enumerate(named_runs):
                 engine, drawn = {"simulate": {"profile": profile}}, seed + sim_seed
-                pairs["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, True, seed=drawn)))
+                pairs["with_frontend"].append((result, simulate(engine, 1, requests, frontend_s, shares_host=True,
+                                                                seed=drawn)))
                 pairs["ideal_frontend"].append((result, simulate(engine, 1, requests, seed=drawn)))
             rows[profile][name] = {kind: compare_rounds(p) for kind, p in pairs.items()}
             print(name, profile, _ratios(rows[profile][name]), flush=True)

@@ -62,6 +62,14 @@ def test_the_front_end_passes_one_request_at_a_time(tmp_path, smollm2_tokenizer)
     assert [r.chunk_times for r in records] == [pytest.approx(t) for t in ([0.6, 0.7], [1.1, 1.2], [1.6, 1.7])]
 
 
+def test_with_an_ideal_front_end_a_request_sent_as_a_step_ends_joins_the_step_that_starts_then(tmp_path,
+                                                                                              smollm2_tokenizer):
+    """Steps of 0.1 s: the second request, sent at 0.1 s as the first step ends, runs in the second step."""
+    first, second = _front_end_run(tmp_path, smollm2_tokenizer, [SimRequest(0.0, list(range(1000, 1010)), 2),
+                                                                  SimRequest(0.1, list(range(2000, 2010)), 1)])
+    assert first.chunk_times == pytest.approx([0.1, 0.2]) and second.chunk_times == pytest.approx([0.2])
+
+
 def test_a_step_on_the_front_ends_host_waits_out_the_front_ends_queued_work(tmp_path, smollm2_tokenizer):
     """With the front end on the engine's cores (a CPU engine), the first request's step starts at 0.5 s with two
     requests still queued in the front end until 1.5 s, and takes 0.1 s after that; the two join the next step."""
