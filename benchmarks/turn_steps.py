@@ -30,7 +30,7 @@ from backends.sim.profile import StepProfile
 from backends.sim.step_time import StepTimeModel
 
 TURN_TOKENS = 128  # a turn's question and template: the steps a CPU runs whole (fused_rows)
-GROUPS = {"none": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # prompts the next step admits
+GROUPS = {"0-1": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # prompts the next step admits
 
 
 def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
