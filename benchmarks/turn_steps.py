@@ -5,8 +5,9 @@ tokens over its cached history, run alone because its answer ended a step before
 turn reached the engine first). While it runs, the other users' next turns pass the front end (HTTP, the gateway,
 tokenizing) on the same two cores. This reads the served step traces of fidelity checks (their runs'
 ``steps.jsonl``, the check's and its fit share's steps), takes every single-sequence prompt step of up to 128 new
-tokens over a cached prefix, and splits them by how many prompts the next step admits (the requests that reached
-the engine while this one ran): measured over modelled on each check's own profile, per group.
+tokens over a cached prefix, and splits them by how many prompt chunks the next step holds (after a turn step,
+the requests that reached the engine while it ran; a turn is one chunk): measured over modelled on each check's own
+profile, per group.
 
     python benchmarks/turn_steps.py \\
         --check benchmarks/results/sim_served_trace_xeon_front_end.jsonl.gz \\
