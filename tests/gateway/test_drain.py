@@ -65,9 +65,11 @@ def in_flight(url: str) -> float:
 
 
 def refused(url: str) -> bool:
+    """Whether the server no longer takes a connection: refused, or, when the connect raced the listener's close,
+    accepted into the backlog and closed without an answer."""
     try:
         httpx.get(f"{url}/health", timeout=2)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
