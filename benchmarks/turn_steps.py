@@ -28,7 +28,6 @@ from peers import run_record
 
 from backends.sim import fit as fitting
 from backends.sim.profile import StepProfile
-from backends.sim.step_time import StepTimeModel
 
 TURN_TOKENS = 128  # a turn's question and template: the steps a CPU runs whole (fused_rows)
 GROUPS = {"0-1": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # prompts the next step admits
@@ -38,14 +37,14 @@ def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
     """Measured / modelled seconds of ``trace``'s turn steps (one sequence, up to ``TURN_TOKENS`` new tokens over a
     cached prefix), by how many prompts the step after each admits (``GROUPS``)."""
     steps, points = trace["steps"], fitting.points_from_steps(trace)
-    ratios: dict[str, list[float]] = {group: [] for group in GROUPS}
+    turns: dict[str, list] = {group: [] for group in GROUPS}
     for (query_lens, context_lens, *_), point, (next_query_lens, *_) in zip(steps, points, steps[1:]):
         if len(query_lens) != 1 or not 1 < query_lens[0] <= min(TURN_TOKENS, context_lens[0] - 1):
             continue
         admitted = sum(1 for n in next_query_lens if n > 1)
-        group = next(g for g, counts in GROUPS.items() if admitted in counts)
-        ratios[group].append(point.seconds / StepTimeModel(profile, point.cost).seconds_of(point.work))
-    return ratios
+        turns[next(g for g, counts in GROUPS.items() if admitted in counts)].append(point)
+    return {group: list(1 / (1 + fitting.relative_errors(profile, group_points))) if group_points else []
+            for group, group_points in turns.items()}
 
 
 def main() -> None:
@@ -57,13 +56,17 @@ def main() -> None:
 
     checks = {}
     for trace_path, profile_path in args.check:
-        profile = StepProfile.model_validate_json(Path(profile_path).read_text())
-        ratios = turn_steps(fitting.load_steps(trace_path), profile)
-        checks[Path(trace_path).name] = {"profile": profile_path, "groups": {
-            group: {"steps": len(r), "median_ratio": statistics.median(r) if r else None} for group, r in ratios.items()}}
-        print(Path(trace_path).name, "  ".join(
-            f"{group}: {row['median_ratio']:.2f} ({row['steps']})" for group, row in checks[Path(trace_path).name]
-            ["groups"].items() if row["steps"]), flush=True)
+        try:
+            trace = fitting.load_steps(trace_path)
+            profile = StepProfile.model_validate_json(Path(profile_path).read_text())
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise SystemExit(f"{trace_path} / {profile_path}: {exc}") from None
+        groups = {group: {"steps": len(r), "median_ratio": statistics.median(r) if r else None}
+                  for group, r in turn_steps(trace, profile).items()}
+        name = Path(trace_path).name
+        checks[name] = {"profile": profile_path, "groups": groups}
+        print(name, "  ".join(f"{group}: {row['median_ratio']:.2f} ({row['steps']})"
+                              for group, row in groups.items() if row["steps"]), flush=True)
     if args.save:
         record = run_record() | {"turn_tokens": TURN_TOKENS, "checks": checks}
         args.save.write_text(json.dumps(record, indent=1) + "\n")
