@@ -27,6 +27,7 @@ class Batch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, first
     # async scheduling: (row of token_ids, index in the previous step's picks) of tokens not on the host yet
     placeholders: list[tuple[int, int]] = field(default_factory=list)
+    admitted: int = 0  # sequences scheduled for the first time (not resumed after a preemption, nor a later chunk)
 
     def logits_rows(self) -> list[range]:
         """For each sequence, its rows in the step's logits (all its tokens, its last, or none)."""

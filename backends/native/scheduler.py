@@ -107,6 +107,7 @@ class Scheduler:
         room = max_seqs or self.config.max_num_seqs
         chosen: dict[Sequence, int] = {}
         preempted = False
+        admitted = 0
 
         for seq in list(self.running):
             if budget == 0 or len(chosen) == room:
@@ -144,6 +145,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_prompt = seq.num_computed
+                admitted += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
             chosen[seq] = n
@@ -155,6 +157,7 @@ class Scheduler:
         order = sorted(chosen, key=lambda s: (chosen[s] != 1, -s.num_computed))
         batch = self._batch(order, chosen)
         batch.block_copies = self.blocks.take_copies()
+        batch.admitted = admitted
         return ScheduledStep(order, [chosen[s] for s in order], batch)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -4,8 +4,9 @@ streaming, a step's host work beside the device's), so that ``burstgate sim fit 
 steps the engine really ran.
 
 A trace is JSON lines: a header (the model's shape, dtype, block size, how steps run, this CPU's peaks), then one
-``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens]`` per step (``Batch.shared_kv_tokens``; a
-trace written before it has the first four), the same as the steps ``sim fit --native --save-steps`` writes. On a
+``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens, admitted]`` per step (``Batch.shared_kv_tokens``,
+``Batch.admitted``; a trace written before either has the first four or five), the same as the steps ``sim fit
+--native --save-steps`` writes. On a
 CPU the peaks are measured again as the trace closes, a last line ``{"peaks": ...}``, and a reader takes the higher
 of each: a host busy at one measurement reads low, never high, and a fit's efficiencies are shares of the peaks.
 
@@ -79,6 +80,7 @@ class CudaClock:
 class _Launched:
     work: list  # [query_lens, context_lens, sampled rows]
     shared_kv_tokens: int
+    admitted: int
     begin: Any  # the clock's marks: where its share of the time line begins, and its tokens sampled
     done: Any
 
@@ -107,15 +109,15 @@ class StepTrace:
         its tokens are sampled; on a GPU, enqueued)."""
         begin = start if self._last_done is None else self._last_done
         self._launched.append(_Launched([list(batch.query_lens), list(batch.context_lens), sum(batch.sample)],
-                                        batch.shared_kv_tokens(self._block_size), begin, done))
+                                        batch.shared_kv_tokens(self._block_size), batch.admitted, begin, done))
         self._last_done = done
 
     def called(self, in_flight: bool, more: bool) -> None:
         """The end of one call of the engine's ``step()``: ``in_flight`` if the step it launched last is still on
         the device (async scheduling), ``more`` if the engine has work left."""
         finished = self._launched[:-1] if in_flight else self._launched
-        self._lines += [json.dumps([*step.work, self.clock.seconds(step.begin, step.done), step.shared_kv_tokens]) + "\n"
-                        for step in finished]
+        self._lines += [json.dumps([*step.work, self.clock.seconds(step.begin, step.done), step.shared_kv_tokens,
+                                    step.admitted]) + "\n" for step in finished]
         del self._launched[:len(finished)]
         if not more:
             self._last_done = None

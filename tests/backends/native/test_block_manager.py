@@ -146,15 +146,20 @@ def test_scheduler_never_leaks_or_double_owns_blocks(events, num_blocks, block_s
 
 
 def test_every_admitted_request_finishes_under_pressure():
-    """Preemption by recompute makes progress: a full drain with a tiny cache terminates."""
+    """Preemption by recompute makes progress: a full drain with a tiny cache terminates. Each request counts as
+    admitted once (``Batch.admitted``: the step that first schedules it), not again when resumed after a
+    preemption nor for its prompt's later chunks."""
     bm = BlockManager(num_blocks=6, block_size=2)
     sched = Scheduler(EngineConfig.model_construct(max_num_seqs=8, max_num_batched_tokens=5), bm)
     seqs = [_seq(f"r{i}", [i] * 5, max_tokens=4) for i in range(8)]
     for s in seqs:
         sched.add(s)
+    admitted = 0
     for _ in range(500):
-        if _step(sched, 1) is None:
+        if (step := _step(sched, 1)) is None:
             break
+        admitted += step.batch.admitted
     assert all(s.status is Status.FINISHED for s in seqs)
     assert sched.num_preemptions > 0
+    assert admitted == len(seqs)
     assert bm.num_free_blocks == 6

@@ -35,9 +35,9 @@ def test_a_step_lasts_from_the_end_of_the_one_before_and_the_first_after_idle_fr
     trace.launched(_batch([1], [9]), start=5.0, done=5.05)
     trace.called(in_flight=False, more=False)
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.3), 0],
-                                            [[1, 1], [6, 8], 2, pytest.approx(0.3), 0],
-                                            [[1], [9], 1, pytest.approx(0.05), 0]]
+    assert _steps(tmp_path / "t.jsonl") == [[[5, 7], [5, 7], 2, pytest.approx(0.3), 0, 0],
+                                            [[1, 1], [6, 8], 2, pytest.approx(0.3), 0, 0],
+                                            [[1], [9], 1, pytest.approx(0.05), 0, 0]]
 
 
 def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_clock(tmp_path):
@@ -51,8 +51,8 @@ def test_a_step_launched_ahead_is_written_once_finished_and_ends_on_the_devices_
     trace.called(in_flight=True, more=True)
     trace.called(in_flight=False, more=False)  # finished the second, launched none
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[1, 1], [9, 9], 2, pytest.approx(0.008), 0],
-                                            [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022), 0]]
+    assert _steps(tmp_path / "t.jsonl") == [[[1, 1], [9, 9], 2, pytest.approx(0.008), 0, 0],
+                                            [[1, 1, 500], [10, 10, 500], 3, pytest.approx(0.022), 0, 0]]
 
 
 def test_a_step_still_on_the_device_when_the_trace_closes_is_written(tmp_path):
@@ -60,7 +60,7 @@ def test_a_step_still_on_the_device_when_the_trace_closes_is_written(tmp_path):
     trace.launched(_batch([3], [3]), start=0.0, done=0.004)
     trace.called(in_flight=True, more=True)  # the engine closes with it in flight
     trace.close()
-    assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004), 0]]
+    assert _steps(tmp_path / "t.jsonl") == [[[3], [3], 1, pytest.approx(0.004), 0, 0]]
 
 
 def test_the_peaks_measured_again_as_the_trace_closes_raise_those_of_the_header_never_lower_them(tmp_path):
@@ -109,7 +109,7 @@ def test_an_engine_emptied_by_an_abort_idles_and_its_next_step_is_not_charged_th
         engine.close()
     steps = _steps(path)
     assert [q for q, *_ in steps][-2:] == [[20], [1]]  # b's prefill and its decode, traced
-    assert all(seconds < 1000 for _, _, _, seconds, _ in steps)
+    assert all(seconds < 1000 for _, _, _, seconds, *_ in steps)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -131,9 +131,11 @@ def test_the_engine_traces_every_step_it_runs(tmp_path, smollm2_tokenizer, async
     steps = trace["steps"]
     # 140 prompt tokens through 64-token chunks, then decodes: every token the engine computed is in the trace
     assert sum(sum(q) for q, *_ in steps) == 140 + 2 * 2
-    assert max(sum(q) for q, *_ in steps) == 64 and all(seconds > 0 for _, _, _, seconds, _ in steps)
-    assert sum(rows for _, _, rows, _, _ in steps) == 2 * 3  # every sampled token
-    assert all(shared == 0 for *_, shared in steps)  # two prompts with nothing in common
+    assert max(sum(q) for q, *_ in steps) == 64 and all(seconds > 0 for _, _, _, seconds, *_ in steps)
+    assert sum(rows for _, _, rows, *_ in steps) == 2 * 3  # every sampled token
+    assert all(shared == 0 for *_, shared, _ in steps)  # two prompts with nothing in common
+    # each request counted once, by the step that first scheduled it, not by its prompt's later chunks
+    assert [admitted for *_, admitted in steps if admitted] == [2]
 
 
 def test_a_step_records_the_kv_tokens_its_sequences_share_through_the_prefix_cache(tmp_path, smollm2_tokenizer):
@@ -154,8 +156,8 @@ def test_a_step_records_the_kv_tokens_its_sequences_share_through_the_prefix_cac
         trace = load_trace(path)
     finally:
         engine.close()
-    both = [shared for q, _, _, _, shared in trace["steps"] if len(q) == 2]
-    alone = [shared for q, _, _, _, shared in trace["steps"] if len(q) == 1]
+    both = [shared for q, _, _, _, shared, _ in trace["steps"] if len(q) == 2]
+    alone = [shared for q, _, _, _, shared, _ in trace["steps"] if len(q) == 1]
     assert both and all(shared == 2 * block for shared in both)
     assert alone and all(shared == 0 for shared in alone)
 
