@@ -9,6 +9,10 @@ tokens over a cached prefix, and splits them by how many prompt chunks the next 
 the requests that reached the engine while it ran; a turn is one chunk): measured over modelled on each check's own
 profile, per group.
 
+Where a trace records how many requests each step admitted (``Batch.admitted``, traced since 2026-11-30), every
+prompt step is also split by that count (``ADMITTING``): a step that opens many requests' streams on the engine's
+cores would run long against the model, and none does.
+
     python benchmarks/turn_steps.py \\
         --check benchmarks/results/sim_served_trace_xeon_front_end.jsonl.gz \\
             benchmarks/results/sim_profile_cpu_xeon_front_end.json ... \\
@@ -31,6 +35,7 @@ from backends.sim.profile import StepProfile
 
 TURN_TOKENS = 128  # a turn's question and template: the steps a CPU runs whole (fused_rows)
 GROUPS = {"0-1": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # prompts the next step admits
+ADMITTING = {"0": range(0, 1), "1": range(1, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # requests a step admits
 
 
 def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
@@ -47,6 +52,28 @@ def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
             for group, group_points in turns.items()}
 
 
+def admitting_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]] | None:
+    """Measured / modelled seconds of ``trace``'s prompt steps by how many requests each admitted (``ADMITTING``);
+    None for a trace that does not record it."""
+    steps, points = trace["steps"], fitting.points_from_steps(trace)
+    if not steps or len(steps[0]) < 6:
+        return None
+    groups: dict[str, list] = {group: [] for group in ADMITTING}
+    for (query_lens, *_, admitted), point in zip(steps, points):
+        if any(n > 1 for n in query_lens):
+            groups[next(g for g, counts in ADMITTING.items() if admitted in counts)].append(point)
+    return {group: list(1 / (1 + fitting.relative_errors(profile, group_points))) if group_points else []
+            for group, group_points in groups.items()}
+
+
+def _medians(ratios: dict[str, list[float]]) -> dict[str, dict]:
+    return {group: {"steps": len(r), "median_ratio": statistics.median(r) if r else None} for group, r in ratios.items()}
+
+
+def _line(groups: dict[str, dict]) -> str:
+    return "  ".join(f"{group}: {row['median_ratio']:.2f} ({row['steps']})" for group, row in groups.items() if row["steps"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", nargs=2, action="append", required=True, metavar=("TRACE", "PROFILE"),
@@ -61,12 +88,13 @@ def main() -> None:
             profile = StepProfile.model_validate_json(Path(profile_path).read_text())
         except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise SystemExit(f"{trace_path} / {profile_path}: {exc}") from None
-        groups = {group: {"steps": len(r), "median_ratio": statistics.median(r) if r else None}
-                  for group, r in turn_steps(trace, profile).items()}
+        groups = _medians(turn_steps(trace, profile))
+        admitting = None if (by_admitted := admitting_steps(trace, profile)) is None else _medians(by_admitted)
         name = Path(trace_path).name
-        checks[name] = {"profile": profile_path, "groups": groups}
-        print(name, "  ".join(f"{group}: {row['median_ratio']:.2f} ({row['steps']})"
-                              for group, row in groups.items() if row["steps"]), flush=True)
+        checks[name] = {"profile": profile_path, "groups": groups, "admitting": admitting}
+        print(name, "turn steps by the next step's prompts:", _line(groups), flush=True)
+        if admitting is not None:
+            print(name, "prompt steps by requests admitted:", _line(admitting), flush=True)
     if args.save:
         record = run_record() | {"turn_tokens": TURN_TOKENS, "checks": checks}
         args.save.write_text(json.dumps(record, indent=1) + "\n")

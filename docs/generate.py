@@ -436,14 +436,25 @@ def _step_shapes(name: str, data: dict) -> list[str]:
 def _turn_steps(name: str, data: dict) -> list[str]:
     if _script(data) != "benchmarks/turn_steps.py":
         return []
+
+    def cells(groups: dict) -> str:
+        return " | ".join("-" if row["median_ratio"] is None else f"{row['median_ratio']:.2f}x ({row['steps']})"
+                          for row in groups.values())
+
     groups = list(next(iter(data["checks"].values()))["groups"])
-    lines = [f"| {trace} | " + " | ".join("-" if row["median_ratio"] is None else
-                                          f"{row['median_ratio']:.2f}x ({row['steps']})" for row in check["groups"].values())
-             + " |" for trace, check in data["checks"].items()]
+    lines = [f"| {trace} | {cells(check['groups'])} |" for trace, check in data["checks"].items()]
     header = ["Served trace", *(f"Next step admits {group}" for group in groups)]
-    return [*_table(name, data, header, lines), f"A conversation turn's first step run alone (up to "
-            f"{data['turn_tokens']} new tokens over a cached prefix), measured / modelled on its check's profile "
-            "(steps), by how many requests reached the engine while it ran.", ""]
+    out = [*_table(name, data, header, lines), f"A conversation turn's first step run alone (up to "
+           f"{data['turn_tokens']} new tokens over a cached prefix), measured / modelled on its check's profile "
+           "(steps), by how many requests reached the engine while it ran.", ""]
+    recorded = {trace: check["admitting"] for trace, check in data["checks"].items() if check.get("admitting")}
+    if recorded:
+        admitting = list(next(iter(recorded.values())))
+        out += [f"| Served trace | {' | '.join(f'Admits {group}' for group in admitting)} |",
+                "|---|" + "---|" * len(admitting), *(f"| {trace} | {cells(groups)} |" for trace, groups in recorded.items()),
+                "", "Every prompt step of the traces that record it, measured / modelled (steps), by how many requests "
+                "the step admitted.", ""]
+    return out
 
 
 def _pipeline(name: str, data: dict) -> list[str]:

@@ -152,7 +152,7 @@ def fit(
                f"{'' if whole is None else f' ({whole:.0%} in steps run whole)'}"
                f"{'' if attention is None else f', attention {attention:.0%}'}, memory {profile.memory_efficiency:.0%}, "
                f"step overhead {profile.step_overhead_s * 1e3:.2f} ms, per sequence {profile.per_sequence_s * 1e6:.1f} us, "
-               f"per request admitted {profile.per_admitted_s * 1e3:.2f} ms, per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
+               f"per layer launched {profile.per_layer_launch_s * 1e6:.1f} us, overlap {profile.memory_overlap:g}; "
                f"over {profile.source.points} steps "
                f"median error {profile.source.median_abs_error:.1%}, max {profile.source.max_abs_error:.1%}"
                f"{_spread_words(profile.step_spread, '; ')} -> {out}")

@@ -1,6 +1,5 @@
 """Fitting a device profile on measured steps: the efficiencies and per-step costs that make the step-time model
-(``step_time.py``) reproduce them, by a grid over the efficiencies and non-negative least squares for the host's
-costs at each (per step, per sequence, per request admitted: ``COSTS``),
+(``step_time.py``) reproduce them, by a grid over the efficiencies and least squares for the two costs at each,
 minimising relative error (attention's own efficiency, where asked, by turns with the grid). Deterministic: the
 same points give the same profile.
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -35,7 +33,6 @@ SPREAD_WINDOW = 21  # steps: a step's own jitter is its time against the median 
 GRID_CELLS_AT_ONCE = 2_000_000  # (compute, memory, step) cells evaluated together: ~16 MB an array
 ATTENTION_ROUNDS = 6  # turns of the attention efficiency's search and the grid's, at most (two or three settle it)
 ATTENTION_GAIN = 1e-3  # the least relative fall in error that moves attention off the compute efficiency
-COSTS = ("step_overhead_s", "per_sequence_s", "per_admitted_s")  # the profile's host costs, linear in the step's
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,8 @@ class _GridFit(NamedTuple):
     compute: float
     whole: float  # nan: the steps run whole compute at ``compute``
     memory: float
-    costs: tuple[float, ...]  # of ``COSTS``
+    overhead: float
+    per_sequence: float
     launch: float
     overlap: float
 
@@ -81,12 +79,12 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     if (fit_whole_steps or fit_attention) and compute_from:
         raise ValueError("the compute efficiencies are either fitted on these steps or taken from another profile")
     y = np.array([p.seconds for p in points])
-    x = np.array([[1, p.work.sequences, p.work.admitted] for p in points], dtype=float).T  # what COSTS multiply
+    n = np.array([p.work.sequences for p in points], dtype=float)
     # Relative errors, decode-only steps and steps with prompt tokens weighing the same in all (a burst has
     # many more of the first; TTFT depends on the second)
     decode = np.array([p.work.decode_only for p in points])
     share = np.where(decode, 1 / max(decode.sum(), 1), 1 / max((~decode).sum(), 1))
-    grid = _Grid(y, x, share / y**2, _features(points, base), whole, base)
+    grid = _Grid(y, n, share / y**2, _features(points, base), whole, base)
     attention = compute_from.attention_compute_efficiency if compute_from else None
     computes = np.array([compute_from.compute_efficiency]) if compute_from else EFFICIENCY_GRID
     launches = np.array([compute_from.per_layer_launch_s] if compute_from else LAUNCH_GRID)
@@ -101,7 +99,7 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
     fitted = base.model_copy(update={"compute_efficiency": best.compute, "memory_efficiency": best.memory,
                                      "whole_step_compute_efficiency": None if np.isnan(best.whole) else best.whole,
                                      "attention_compute_efficiency": attention,
-                                     **dict(zip(COSTS, best.costs)),
+                                     "step_overhead_s": best.overhead, "per_sequence_s": best.per_sequence,
                                      "per_layer_launch_s": best.launch, "memory_overlap": best.overlap})
     errors = relative_errors(fitted, points)
     if spread:  # around the model's mean: the fit sets a step's expected time, the spread only how it varies
@@ -116,22 +114,20 @@ def fit_profile(points: list[StepPoint], base: StepProfile, compute_from: StepPr
 
 @dataclass
 class _Grid:
-    """The points of a fit and what its searches share: measured seconds ``y``, what each of ``COSTS`` is charged
-    for (``x``: [cost, point]), least-squares weights ``w2``, the model's FLOPs and bytes (``_features``) and which
-    steps ran whole."""
+    """The points of a fit and what its searches share: measured seconds ``y``, sequences ``n``, least-squares
+    weights ``w2``, the model's FLOPs and bytes (``_features``) and which steps ran whole."""
 
     y: np.ndarray
-    x: np.ndarray
+    n: np.ndarray
     w2: np.ndarray
     f: dict[str, np.ndarray]
     whole: np.ndarray
     base: StepProfile
 
     @functools.cached_property
-    def gram(self) -> np.ndarray:
-        """The weighted products of the costs' multipliers the least squares of ``_costs`` takes: once per fit, not
-        per grid cell."""
-        return (self.w2 * self.x) @ self.x.T
+    def weight_sums(self) -> tuple[float, float, float]:
+        """The weights' sums the least squares of ``_costs`` takes: once per fit, not per grid cell."""
+        return self.w2.sum(), (self.w2 * self.n).sum(), (self.w2 * self.n * self.n).sum()
 
     def best(self, computes: np.ndarray, launches: np.ndarray, overlaps: np.ndarray, fit_whole_steps: bool,
              attention: float | None) -> _GridFit:
@@ -148,14 +144,14 @@ class _Grid:
                 sums = self.sums(np.ones_like(self.whole), computes, launches, overlap, attention)[:, :, :, None]
                 whole_sums, wholes = np.zeros(1), np.array([np.nan])
             for k, launch in enumerate(launches):
-                costs, error = _costs(sums[:, k] + whole_sums, self.gram)
+                overhead, per_seq, error = _costs(tuple(sums[:, k] + whole_sums), self.weight_sums)
                 error = np.maximum(error, 0)  # expanded sums of squares can round below zero
                 i, w, j = np.unravel_index(np.argmin(error), error.shape)
                 # a launch cost the steps cannot tell from the overhead (every step launched) ties up to rounding:
                 # the candidate found first (the smaller launch cost) stays
                 if best is None or error[i, w, j] < best.error - max(1e-9 * best.error, 1e-15):
                     best = _GridFit(float(error[i, w, j]), float(computes[i]), float(wholes[w]),
-                                    float(EFFICIENCY_GRID[j]), tuple(float(c) for c in costs[:, i, w, j]),
+                                    float(EFFICIENCY_GRID[j]), float(overhead[i, w, j]), float(per_seq[i, w, j]),
                                     float(launch), float(overlap))
         assert best is not None  # the grids are never empty
         return best
@@ -164,9 +160,9 @@ class _Grid:
              attention: float | None) -> np.ndarray:
         """The residual sums (``_residual_sums``) over the ``chosen`` points at every launch cost, compute efficiency
         and memory efficiency of the grids: an array [sum, launch, compute, memory]."""
-        y, x, w2, base = self.y[chosen], self.x[:, chosen], self.w2[chosen], self.base
+        y, n, w2, base = self.y[chosen], self.n[chosen], self.w2[chosen], self.base
         f = {name: column[chosen] for name, column in self.f.items()}
-        out = np.zeros((len(COSTS) + 1, len(launches), len(computes), len(EFFICIENCY_GRID)))
+        out = np.zeros((3, len(launches), len(computes), len(EFFICIENCY_GRID)))
         me = EFFICIENCY_GRID[None, :, None]  # [compute, memory, point]
         # compute efficiencies a block at a time: a GPU's served trace has ~10,000 steps, and the whole grid of
         # them at once is gigabytes of temporaries
@@ -179,7 +175,7 @@ class _Grid:
                       + _part(f["attention_flops"] / (base.peak_flops * (attention or ce)),
                               f["kv_bytes"] / (base.bandwidth * me), overlap)
                       + f["allreduce_s"])
-            for k, (_, sums) in enumerate(_residual_sums(y, device, f["launched_layers"], launches, x, w2,
+            for k, (_, sums) in enumerate(_residual_sums(y, device, f["launched_layers"], launches, n, w2,
                                                          base.launches_overlap)):
                 out[:, k, block] = sums
         return out
@@ -194,8 +190,8 @@ class _Grid:
         attention = _part(f["attention_flops"] / (base.peak_flops * EFFICIENCY_GRID[:, None]),
                           f["kv_bytes"] / (base.bandwidth * at.memory), at.overlap)  # [efficiency, point]
         (_, sums), = _residual_sums(self.y, linear + attention + f["allreduce_s"], f["launched_layers"], [at.launch],
-                                    self.x, self.w2, base.launches_overlap)
-        error = np.maximum(_costs(sums, self.gram)[1], 0)
+                                    self.n, self.w2, base.launches_overlap)
+        error = np.maximum(_costs(sums, self.weight_sums)[2], 0)
         i = int(np.argmin(error))
         return float(error[i]), float(EFFICIENCY_GRID[i])
 
@@ -218,52 +214,46 @@ def _features(points: list[StepPoint], base: StepProfile) -> dict[str, np.ndarra
 
 
 def _residual_sums(y: np.ndarray, device: np.ndarray, launched: np.ndarray, launch_grid: Iterable[float],
-                   x: np.ndarray, w2: np.ndarray, launches_overlap: bool) -> Iterator[tuple[float, np.ndarray]]:
-    """For each launch cost of the grid, the weighted sums (``_sums``) of the residual the host's costs are left
+                   n: np.ndarray, w2: np.ndarray, launches_overlap: bool
+                   ) -> Iterator[tuple[float, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """For each launch cost of the grid, the weighted sums (``_sums``) of the residual the per-step costs are left
     to explain: the measured time ``y`` less the device's and the launches' (``launched`` layers each). Where the
     launches run after the device's work (a CPU), the sums are polynomials in the launch cost, so the points are
     summed over once, not once per launch cost."""
     if launches_overlap:
         for launch in launch_grid:
-            yield launch, _sums(y - np.maximum(device, launch * launched), x, w2)
+            yield launch, _sums(y - np.maximum(device, launch * launched), n, w2)
         return
     free = y - device  # the residual with no launch cost
-    # r = free - launch * launched: sum(w2 x r) = sum(w2 x free) - launch sum(w2 x launched), and
+    # r = free - launch * launched: sum(w2 r) = d - launch dl, sum(w2 n r) = e - launch el,
     # sum(w2 r^2) = rr - 2 launch cross + launch^2 ll
-    by_free, by_launched = _sums(free, x, w2), _sums(launched, x, w2)
+    (d, e, rr), (dl, el, ll) = _sums(free, n, w2), _sums(launched, n, w2)
     cross = (w2 * launched * free).sum(-1)
     for launch in launch_grid:
-        sums = by_free - launch * by_launched.reshape(by_launched.shape + (1,) * (by_free.ndim - 1))
-        sums[-1] = by_free[-1] - 2 * launch * cross + launch**2 * by_launched[-1]
-        yield launch, sums
+        yield launch, (d - launch * dl, e - launch * el, rr - 2 * launch * cross + launch**2 * ll)
 
 
-def _sums(residual: np.ndarray, x: np.ndarray, w2: np.ndarray) -> np.ndarray:
-    """The weighted sums over points (the last axis) the least squares of ``_costs`` and its error need: of the
-    residual times each cost's multiplier (``x``: [cost, point]), then of its square; stacked on a first axis."""
-    return np.stack([*((w2 * multiplier * residual).sum(-1) for multiplier in x), (w2 * residual * residual).sum(-1)])
+def _sums(residual: np.ndarray, n: np.ndarray, w2: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weighted sums over points (the last axis) the least squares of ``_costs`` and its error need."""
+    return (w2 * residual).sum(-1), (w2 * n * residual).sum(-1), (w2 * residual * residual).sum(-1)
 
 
-def _costs(sums: np.ndarray, gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Non-negative costs (one per row of ``gram``, the weighted products of their multipliers) explaining a
-    residual by weighted least squares, and the weighted squared error left, from the residual's ``_sums``: the
-    best of the least-squares solutions of every subset of the costs (the rest zero) that come out non-negative,
-    which is the non-negative least squares for a handful of costs. A subset the steps cannot tell apart (every
-    step of one size, no step admitting a request) is skipped."""
-    by_cost, rr = sums[:-1], sums[-1]
-    best, best_error = np.zeros_like(by_cost), rr.copy()  # every cost zero
-    for size in range(1, len(gram) + 1):
-        for subset in map(list, itertools.combinations(range(len(gram)), size)):
-            g = gram[np.ix_(subset, subset)]
-            if np.linalg.det(g) <= 1e-12 * np.prod(np.diag(g)):
-                continue
-            solved = np.tensordot(np.linalg.inv(g), by_cost[subset], axes=1)
-            error = rr - (solved * by_cost[subset]).sum(0)  # at the least-squares solution, where g @ solved = by_cost
-            better = (solved >= 0).all(0) & (error < best_error)
-            costs = np.zeros_like(by_cost)
-            costs[subset] = solved
-            best, best_error = np.where(better, costs, best), np.where(better, error, best_error)
-    return best, best_error
+def _costs(sums: tuple[np.ndarray, np.ndarray, np.ndarray], weight_sums: tuple[float, float, float]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Non-negative (overhead, per-sequence) explaining a residual by weighted least squares, and the weighted
+    squared error left, from the residual's ``_sums`` and the points' (weights; by sequences; by their square);
+    where one cost comes out negative, it is zero and the other refitted alone."""
+    (d, e, rr), (a, b, c) = sums, weight_sums
+    det = a * c - b * b
+    if det <= 1e-12 * a * c:  # every step of one size: the two cannot be told apart
+        overhead, per_seq = np.maximum(d / a, 0), np.zeros_like(d)
+    else:
+        overhead, per_seq = (c * d - b * e) / det, (a * e - b * d) / det
+        only_per_seq, only_overhead = np.maximum(e / c, 0), np.maximum(d / a, 0)
+        overhead, per_seq = np.where(overhead < 0, 0, overhead), np.where(overhead < 0, only_per_seq, per_seq)
+        overhead, per_seq = np.where(per_seq < 0, only_overhead, overhead), np.maximum(per_seq, 0)
+    error = rr - 2 * overhead * d - 2 * per_seq * e + overhead**2 * a + 2 * overhead * per_seq * b + per_seq**2 * c
+    return overhead, per_seq, error
 
 
 def local_ratios(ratios: np.ndarray, window: int = SPREAD_WINDOW) -> np.ndarray:
@@ -447,8 +437,10 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
 
     config = ModelConfig(**steps["model_config"])  # the shape travels with the steps: no checkpoint needed
     cost = StepCost.of(config, torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
-    # a step recorded before shared KV tokens, or before requests admitted, has neither or only the first
-    return [StepPoint(cost, StepWork.of(q, c, rows, *counts), seconds) for q, c, rows, seconds, *counts in steps["steps"]]
+    # shared KV tokens where recorded (a step recorded before them has none); the requests a step admitted, which
+    # steps recorded since carry after them, are not the model's: no cost per admission showed in served steps
+    return [StepPoint(cost, StepWork.of(q, c, rows, *shared[:1]), seconds)
+            for q, c, rows, seconds, *shared in steps["steps"]]
 
 
 def load_steps(path: Path | str) -> dict:

@@ -54,9 +54,6 @@ class StepProfile(BaseModel):
     attention_compute_efficiency: float | None = Field(None, gt=0, le=1)
     step_overhead_s: float = Field(ge=0)  # fitted: launches, scheduling not hidden behind the device
     per_sequence_s: float = Field(ge=0)  # fitted: host work per sequence in the step
-    # fitted where the steps say how many requests each admits (a served trace): host work per request the step
-    # schedules for the first time, beside the step (on a CPU the served path opens its stream on the engine's cores)
-    per_admitted_s: float = Field(0.0, ge=0)
     per_layer_launch_s: float = Field(0.0, ge=0)  # fitted: a layer's kernels started from the host
     replays_decode: bool = True  # decode-only steps run whole, with no launches per layer (CUDA graphs)
     # besides, any step of at most this many tokens runs whole (a CPU's fused C step, up to the rows of its linear

@@ -98,7 +98,7 @@ class SimulatedRunner:
         rows = sum(batch.sample)
         # blocks the step's sequences share matter only where the caches serve some of their reads
         shared = batch.shared_kv_tokens(self.block_size) if self.profile.kv_cache_reuse else 0
-        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows, shared, batch.admitted)
+        self.last_step_s = self.step_time.seconds(batch.query_lens, batch.context_lens, rows, shared)
         if self._draws is not None:
             self.last_step_s *= self.profile.spread_factor(self._draws.random())
         if self.real_time:

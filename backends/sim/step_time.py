@@ -4,7 +4,7 @@ what bounds it, the efficiencies and per-step costs fitted on measured steps (``
 A step is the native engine's ``Batch``: per sequence, the tokens it computes (``query_lens``) and the tokens in
 its KV cache after the step (``context_lens``). Its time is
 
-    overhead + per_sequence * sequences + per_admitted * admitted + launches (+) device, where device =
+    overhead + per_sequence * sequences + launches (+) device, where device =
       max(linear FLOPs / (peak FLOP/s * compute_efficiency), weight bytes / (bandwidth * memory_efficiency))
     + max(attention FLOPs / (peak * compute_efficiency), KV bytes / (bandwidth * memory_efficiency))
     + tensor-parallel all-reduces (two per layer, ring, at the interconnect's bandwidth)
@@ -14,8 +14,7 @@ longer: all of it on a GPU, the roofline; on a CPU, whose cores wait for memory 
 step's skinny matrix shapes, less; a step run whole computes at the profile's ``whole_step_compute_efficiency``
 where it has one: a CPU's fused step runs kernels of its own; so does attention, at ``attention_compute_efficiency``
 where a profile has one),
-``admitted`` counts the requests the step schedules for the first time (a served host opens their streams beside
-the step), and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a step run whole
+and launches = per_layer_launch * layers for a step run layer by layer from the host; none for a step run whole
 (a decode-only one replayed from CUDA graphs on a GPU; on a CPU, one the fused C step takes: up to the rows of the
 linear layers' small-step copies, prompt tokens or not). A GPU runs the launches beside the
 device's work, so the step takes the longer of the two ((+) is max); a CPU does both itself ((+) is +).
@@ -85,19 +84,17 @@ class StepWork:
     kv_read_tokens: int  # tokens of KV cache attention reads
     decode_only: bool  # every sequence computes one token: a step the engine can replay whole
     shared_kv_tokens: int = 0  # of those, the ones another sequence of the step reads too (past the first reader)
-    admitted: int = 0  # sequences scheduled for the first time (``Batch.admitted``)
 
     @classmethod
-    def of(cls, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0,
-           admitted: int = 0) -> StepWork:
+    def of(cls, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> StepWork:
         """The work of a step over these sequences, of whose cached tokens ``shared_tokens`` are held by another of
-        them too (``Batch.shared_kv_tokens``), ``admitted`` of them scheduled for the first time."""
+        them too (``Batch.shared_kv_tokens``)."""
         # Query j of a chunk of q new tokens sees the c - q cached tokens and j + 1 of its own: c - (q - 1) / 2
         # keys on average.
         pairs = sum(q * (c - (q - 1) / 2) for q, c in zip(query_lens, context_lens))
         tokens = sum(query_lens)
         return cls(len(query_lens), tokens, sampled_rows, pairs, sum(context_lens), tokens == len(query_lens),
-                   shared_tokens, admitted)
+                   shared_tokens)
 
 
 class StepTimeModel:
@@ -112,20 +109,19 @@ class StepTimeModel:
                                        if profile.attention_compute_efficiency else None)
         self._bytes_per_s = profile.bandwidth * profile.memory_efficiency
 
-    def seconds(self, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0,
-                admitted: int = 0) -> float:
+    def seconds(self, query_lens: list[int], context_lens: list[int], sampled_rows: int, shared_tokens: int = 0) -> float:
         """The modelled time of a step over these sequences (``Batch.query_lens`` and ``context_lens``; ``StepWork.of``
-        says what ``shared_tokens`` and ``admitted`` are)."""
+        says what ``shared_tokens`` are)."""
         if not query_lens:
             return 0.0
-        return self.seconds_of(StepWork.of(query_lens, context_lens, sampled_rows, shared_tokens, admitted))
+        return self.seconds_of(StepWork.of(query_lens, context_lens, sampled_rows, shared_tokens))
 
     def seconds_of(self, work: StepWork) -> float:
         p = self.profile
         device = sum(self.parts(work))
         launches = 0.0 if p.runs_whole(work.tokens, work.decode_only) else p.per_layer_launch_s * self.cost.layers
         busy = max(device, launches) if p.launches_overlap else device + launches
-        return p.step_overhead_s + p.per_sequence_s * work.sequences + p.per_admitted_s * work.admitted + busy
+        return p.step_overhead_s + p.per_sequence_s * work.sequences + busy
 
     def parts(self, work: StepWork) -> tuple[float, float, float]:
         """(linear layers, attention, all-reduces) of a step, each at its roofline plus the share of its shorter

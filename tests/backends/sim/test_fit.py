@@ -49,27 +49,6 @@ def test_the_fit_recovers_the_profile_that_made_the_steps(cells_at_once, launche
     assert fitted.source.max_abs_error < 1e-3
 
 
-def test_the_fit_recovers_a_cost_per_request_admitted_where_the_steps_say_how_many_each_admits():
-    """Steps of the same shapes, some admitting their sequences (a prompt's first chunk), some not (a later chunk, a
-    turn's decodes): the cost of an admission is told apart from the per-step and per-sequence costs."""
-    truth = _gpu(compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.002, per_sequence_s=1e-5,
-                 per_admitted_s=0.003, launches_overlap=False)
-    cost = model_cost("smollm2")
-    steps = [(q, c, admitted) for n in (1, 2, 4, 8)
-             for q, c, admitted in [([256] * n, [256] * n, n), ([256] * n, [512] * n, 0), ([1] * n, [600] * n, 0),
-                                    ([1] * (n - 1) + [64], [600] * (n - 1) + [64], 1)]]
-    seconds = [StepTimeModel(truth, cost).seconds_of(StepWork.of(q, c, len(q), 0, admitted)) for q, c, admitted in steps]
-    points = [StepPoint(cost, StepWork.of(q, c, len(q), 0, admitted), t) for (q, c, admitted), t in zip(steps, seconds)]
-    fitted = fit_profile(points, _gpu(launches_overlap=False))
-    assert fitted.per_admitted_s == pytest.approx(0.003, rel=1e-3)
-    assert fitted.step_overhead_s == pytest.approx(0.002, rel=1e-3)
-    assert fitted.per_sequence_s == pytest.approx(1e-5, rel=1e-3)
-    assert fitted.source.max_abs_error < 1e-3
-    # steps that do not say what they admit leave the cost at zero: it is never guessed
-    unsaid = [StepPoint(cost, StepWork.of(q, c, len(q)), t) for (q, c, _), t in zip(steps, seconds)]
-    assert fit_profile(unsaid, _gpu(launches_overlap=False)).per_admitted_s == 0
-
-
 def test_a_cpus_launch_cost_is_fitted_on_the_steps_its_fused_rows_leave_out():
     """On a CPU whose fused step takes up to 128 rows, prompt tokens or not, only larger steps launch layer by
     layer: the fit charges those alone and recovers the launch cost, and a record of the steps says which ran

@@ -52,12 +52,6 @@ def test_a_prefill_step_on_a_fast_memory_is_bound_by_its_flops():
     assert seconds == pytest.approx(0.001 + 0.0001 + linear + attention, rel=1e-9)
 
 
-def test_each_request_a_step_admits_adds_the_profiles_cost_per_admitted_request():
-    model = StepTimeModel(profile(per_admitted_s=0.002), StepCost.of(TINY, 2, 2))
-    later_chunks, admitting = model.seconds([10, 10], [20, 10], 1), model.seconds([10, 10], [20, 10], 1, admitted=1)
-    assert admitting - later_chunks == pytest.approx(0.002)
-
-
 def test_a_chunk_after_a_cached_prefix_attends_to_the_prefix_too():
     model = StepTimeModel(profile(bandwidth=1e15), StepCost.of(TINY, 2, 2))
     fresh, after_prefix = model.seconds([10], [10], 1), model.seconds([10], [110], 1)

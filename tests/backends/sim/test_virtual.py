@@ -87,17 +87,6 @@ def test_a_turn_sent_after_its_think_time_passes_the_front_end_too(tmp_path, smo
     assert second.target_send == pytest.approx(1.7) and second.chunk_times == pytest.approx([2.3, 2.4])
 
 
-def test_a_step_takes_the_profiles_cost_for_each_request_it_admits(tmp_path, smollm2_tokenizer):
-    """Steps of 0.1 s and 0.05 s per request admitted: the first step admits the request that woke the engine
-    (0.15 s), the second the two that arrived during it (0.2 s), the third none (0.1 s)."""
-    profile = constant_step_profile(tmp_path, per_admitted_s=0.05)
-    config = EngineConfig(model_path=DESIGN, simulate=SimulationConfig(profile=str(profile)))
-    requests = [SimRequest(0.0, list(range(1000, 1010)), 2), SimRequest(0.05, list(range(2000, 2010)), 2),
-                SimRequest(0.05, list(range(3000, 3010)), 2)]
-    records = VirtualFleet(config, 1, RoundRobinConfig(), smollm2_tokenizer).run(requests).records
-    assert [r.chunk_times for r in records] == [pytest.approx(t) for t in ([0.15, 0.35], [0.35, 0.45], [0.35, 0.45])]
-
-
 EVEN_SPREAD = [0.5 + i / 100 for i in range(101)]  # measured / modelled spread evenly over 0.5-1.5
 
 
