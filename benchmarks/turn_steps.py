@@ -11,7 +11,8 @@ profile, per group.
 
 Where a trace records how many requests each step admitted (``Batch.admitted``, traced since 2026-11-30), every
 prompt step is also split by that count (``ADMITTING``): a step that opens many requests' streams on the engine's
-cores would run long against the model, and none does.
+cores would run long against the model. In the traces that record it, steps admitting two or more ran at most 6%
+longer than steps admitting one, and a fitted cost per admission came out zero (docs/performance.md).
 
     python benchmarks/turn_steps.py \\
         --check benchmarks/results/sim_served_trace_xeon_front_end.jsonl.gz \\

@@ -6,8 +6,8 @@ steps the engine really ran.
 A trace is JSON lines: a header (the model's shape, dtype, block size, how steps run, this CPU's peaks), then one
 ``[query_lens, context_lens, sampled_rows, seconds, shared_kv_tokens, admitted]`` per step (``Batch.shared_kv_tokens``,
 ``Batch.admitted``; a trace written before either has the first four or five), the same as the steps ``sim fit
---native --save-steps`` writes. The requests a step admitted are a record, not a term of the step-time model: the
-served steps show no cost per admission (benchmarks/turn_steps.py splits them by it). On a
+--native --save-steps`` writes. The requests a step admitted are a record, not a term of the step-time model: a cost
+per admission fitted on served steps came out zero (benchmarks/turn_steps.py splits steps by it). On a
 CPU the peaks are measured again as the trace closes, a last line ``{"peaks": ...}``, and a reader takes the higher
 of each: a host busy at one measurement reads low, never high, and a fit's efficiencies are shares of the peaks.
 

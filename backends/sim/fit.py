@@ -438,7 +438,8 @@ def points_from_steps(steps: dict) -> list[StepPoint]:
     config = ModelConfig(**steps["model_config"])  # the shape travels with the steps: no checkpoint needed
     cost = StepCost.of(config, torch_dtype_named(steps["dtype"]).itemsize, steps["kv_dtype_bytes"])
     # shared KV tokens where recorded (a step recorded before them has none); the requests a step admitted, which
-    # steps recorded since carry after them, are not the model's: no cost per admission showed in served steps
+    # steps recorded since carry after them, are not the model's: a cost per admission fitted on served steps came
+    # out zero
     return [StepPoint(cost, StepWork.of(q, c, rows, *shared[:1]), seconds)
             for q, c, rows, seconds, *shared in steps["steps"]]
 
