@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # this checkout
@@ -39,32 +40,34 @@ GROUPS = {"0-1": range(0, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)} 
 ADMITTING = {"0": range(0, 1), "1": range(1, 2), "2-3": range(2, 4), "4 or more": range(4, 10**6)}  # requests a step admits
 
 
-def turn_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]]:
-    """Measured / modelled seconds of ``trace``'s turn steps (one sequence, up to ``TURN_TOKENS`` new tokens over a
-    cached prefix), by how many prompts the step after each admits (``GROUPS``)."""
-    steps, points = trace["steps"], fitting.points_from_steps(trace)
-    turns: dict[str, list] = {group: [] for group in GROUPS}
-    for (query_lens, context_lens, *_), point, (next_query_lens, *_) in zip(steps, points, steps[1:]):
-        if len(query_lens) != 1 or not 1 < query_lens[0] <= min(TURN_TOKENS, context_lens[0] - 1):
-            continue
-        admitted = sum(1 for n in next_query_lens if n > 1)
-        turns[next(g for g, counts in GROUPS.items() if admitted in counts)].append(point)
-    return {group: list(1 / (1 + fitting.relative_errors(profile, group_points))) if group_points else []
-            for group, group_points in turns.items()}
+def turn_steps(steps: list, points: list[fitting.StepPoint], profile: StepProfile) -> dict[str, list[float]]:
+    """Measured / modelled seconds of the turn steps among ``steps`` (one sequence, up to ``TURN_TOKENS`` new tokens
+    over a cached prefix; ``points`` are their fit points), by how many prompts the step after each admits
+    (``GROUPS``)."""
+    counted = ((sum(1 for n in next_query_lens if n > 1), point)
+               for (query_lens, context_lens, *_), point, (next_query_lens, *_) in zip(steps, points, steps[1:])
+               if len(query_lens) == 1 and 1 < query_lens[0] <= min(TURN_TOKENS, context_lens[0] - 1))
+    return _ratios_by_group(profile, GROUPS, counted)
 
 
-def admitting_steps(trace: dict, profile: StepProfile) -> dict[str, list[float]] | None:
-    """Measured / modelled seconds of ``trace``'s prompt steps by how many requests each admitted (``ADMITTING``);
-    None for a trace that does not record it."""
-    steps, points = trace["steps"], fitting.points_from_steps(trace)
+def admitting_steps(steps: list, points: list[fitting.StepPoint], profile: StepProfile) -> dict[str, list[float]] | None:
+    """Measured / modelled seconds of the prompt steps among ``steps`` by how many requests each admitted
+    (``ADMITTING``); None for a trace that does not record it."""
     if not steps or len(steps[0]) < 6:
         return None
-    groups: dict[str, list] = {group: [] for group in ADMITTING}
-    for (query_lens, *_, admitted), point in zip(steps, points):
-        if any(n > 1 for n in query_lens):
-            groups[next(g for g, counts in ADMITTING.items() if admitted in counts)].append(point)
-    return {group: list(1 / (1 + fitting.relative_errors(profile, group_points))) if group_points else []
-            for group, group_points in groups.items()}
+    counted = ((admitted, point) for (query_lens, *_, admitted), point in zip(steps, points)
+               if any(n > 1 for n in query_lens))
+    return _ratios_by_group(profile, ADMITTING, counted)
+
+
+def _ratios_by_group(profile: StepProfile, groups: dict[str, range],
+                     counted: Iterable[tuple[int, fitting.StepPoint]]) -> dict[str, list[float]]:
+    """Measured / modelled seconds of each point, in the group of ``groups`` whose range holds its count."""
+    by_group: dict[str, list] = {group: [] for group in groups}
+    for count, point in counted:
+        by_group[next(g for g, counts in groups.items() if count in counts)].append(point)
+    return {group: list(1 / (1 + fitting.relative_errors(profile, points))) if points else []
+            for group, points in by_group.items()}
 
 
 def _medians(ratios: dict[str, list[float]]) -> dict[str, dict]:
@@ -89,8 +92,10 @@ def main() -> None:
             profile = StepProfile.model_validate_json(Path(profile_path).read_text())
         except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             raise SystemExit(f"{trace_path} / {profile_path}: {exc}") from None
-        groups = _medians(turn_steps(trace, profile))
-        admitting = None if (by_admitted := admitting_steps(trace, profile)) is None else _medians(by_admitted)
+        steps, points = trace["steps"], fitting.points_from_steps(trace)  # the model's work of each step, once
+        groups = _medians(turn_steps(steps, points, profile))
+        by_admitted = admitting_steps(steps, points, profile)
+        admitting = None if by_admitted is None else _medians(by_admitted)
         name = Path(trace_path).name
         checks[name] = {"profile": profile_path, "groups": groups, "admitting": admitting}
         print(name, "turn steps by the next step's prompts:", _line(groups), flush=True)
